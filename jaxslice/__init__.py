@@ -1,0 +1,41 @@
+"""jaxslice: slice, inspect and edit JAX and Flax models at the jaxpr level."""
+
+from ._errors import AmbiguousBoundaryError as AmbiguousBoundaryError
+from ._errors import BoundaryInLoopError as BoundaryInLoopError
+from ._errors import DisconnectedError as DisconnectedError
+from ._errors import InputMismatchError as InputMismatchError
+from ._errors import InvalidSpecError as InvalidSpecError
+from ._errors import MissingInputError as MissingInputError
+from ._errors import SliceError as SliceError
+from ._errors import UnknownBoundaryError as UnknownBoundaryError
+from ._errors import UnsupportedTargetError as UnsupportedTargetError
+from ._errors import VariablesMismatchError as VariablesMismatchError
+from ._listing import Boundary as Boundary
+from ._listing import BoundaryTable as BoundaryTable
+from ._listing import boundaries as boundaries
+from ._slice import Sliceable as Sliceable
+from ._slice import slice as slice  # noqa: A004
+from ._sliced import Sliced as Sliced
+from ._version import __version__ as __version__
+from .adapters._plain import mark as mark
+
+__all__ = [
+    "AmbiguousBoundaryError",
+    "Boundary",
+    "BoundaryInLoopError",
+    "BoundaryTable",
+    "DisconnectedError",
+    "InputMismatchError",
+    "InvalidSpecError",
+    "MissingInputError",
+    "SliceError",
+    "Sliceable",
+    "Sliced",
+    "UnknownBoundaryError",
+    "UnsupportedTargetError",
+    "VariablesMismatchError",
+    "__version__",
+    "boundaries",
+    "mark",
+    "slice",
+]

@@ -1,0 +1,197 @@
+"""The only door to JAX internals.
+
+Everything jaxslice needs from JAX beyond its public API goes through this module, so a
+JAX release that moves an internal breaks one file, not the library. The rest of the
+package sees jaxprs through the small vocabulary defined here: atoms (variables and
+literals), equations, sub-jaxprs, name-stack scopes and a way to re-bind an equation.
+
+Each shim says which JAX versions need it and when it can go. Features are detected,
+never compared by version number.
+
+Sharp edges:
+  * Boundary markers are `jax.ad_checkpoint.checkpoint_name` equations whose name starts
+    with `MARKER_PREFIX`. They are identities JAX knows how to differentiate, batch and
+    lower, so a marked model stays an ordinary JAX program; their outputs are never used,
+    so they record a value without changing the dataflow.
+  * "Call-like" primitives (jit, remat, custom_jvp/vjp calls) may be inlined by jaxslice
+    when a boundary inside them is asked for. Loops and conditionals are never inlined.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex_core
+from jax._src import core as _core
+from jax._src import source_info_util as _siu
+from jax._src import traceback_util as _tbu
+from jax.ad_checkpoint import checkpoint_name
+
+MARKER_PREFIX = "jaxslice:"
+
+Var = jex_core.Var
+Literal = jex_core.Literal
+Jaxpr = jex_core.Jaxpr
+ClosedJaxpr = jex_core.ClosedJaxpr
+JaxprEqn = jex_core.JaxprEqn
+
+# JAX <= 0.10 has a DropVar class for unused outputs; later releases may drop it
+# (see STYLE.md, "known churn"). Detect it; remove when 0.10 is no longer supported.
+_DropVar = getattr(jex_core, "DropVar", None)
+
+
+def register_frames_exclusion(path: str) -> None:
+    """Hides a jaxslice source file from the tracebacks JAX shows users."""
+    _tbu.register_exclusion(path)
+
+
+register_frames_exclusion(__file__)
+
+
+# --------------------------------------------------------------------------- atoms
+
+
+def is_literal(atom: Any) -> bool:
+    return isinstance(atom, Literal)
+
+
+def is_dropvar(atom: Any) -> bool:
+    return _DropVar is not None and isinstance(atom, _DropVar)
+
+
+def literal_value(atom: Any) -> Any:
+    return atom.val
+
+
+def aval_of(atom: Any) -> Any:
+    return atom.aval
+
+
+# --------------------------------------------------------------------------- jaxprs
+
+
+def make_jaxpr(fn: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
+    """Traces `fn` to a closed jaxpr; returns it with the output pytree of shapes."""
+    return jax.make_jaxpr(fn, return_shape=True)(*args)
+
+
+def open_jaxpr(closed: Any) -> tuple[Any, Sequence[Any]]:
+    """(jaxpr, consts) of a closed jaxpr or a plain jaxpr (which has no consts)."""
+    if isinstance(closed, ClosedJaxpr):
+        return closed.jaxpr, closed.consts
+    return closed, ()
+
+
+def subjaxprs(eqn: Any) -> Iterator[Any]:
+    """Every jaxpr held in an equation's params, found generically."""
+    yield from jex_core.jaxprs_in_params(eqn.params)
+
+
+# Call-like primitives: their body takes the equation's operands one-to-one and returns
+# its results one-to-one, so the body can replace the equation. Each entry returns the
+# body (a jaxpr or closed jaxpr). Primitives are looked up by object, not by name string.
+_CALL_BODIES: dict[Any, Callable[[dict[str, Any]], Any]] = {}
+
+
+def _register_call(module: str, attrs: Sequence[str], param: str) -> None:
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:  # pragma: no cover - depends on the JAX release
+        return
+    for attr in attrs:
+        prim = getattr(mod, attr, None)
+        if prim is not None:
+            _CALL_BODIES[prim] = lambda params, _p=param: params.get(_p)
+
+
+# jit: `jit_p` since JAX 0.7, `pjit_p` before (and as an alias in some releases).
+_register_call("jax._src.pjit", ("jit_p", "pjit_p"), "jaxpr")
+_register_call("jax._src.core", ("closed_call_p", "call_p"), "call_jaxpr")
+_register_call("jax._src.ad_checkpoint", ("remat_p",), "jaxpr")
+_register_call("jax._src.custom_derivatives", ("custom_jvp_call_p",), "call_jaxpr")
+# custom_vjp: `custom_vjp_call_p` holds `call_jaxpr` since JAX 0.5; older releases used
+# `custom_vjp_call_jaxpr_p` with `fun_jaxpr`. Remove the second once unsupported.
+_register_call("jax._src.custom_derivatives", ("custom_vjp_call_p",), "call_jaxpr")
+_register_call("jax._src.custom_derivatives", ("custom_vjp_call_jaxpr_p",), "fun_jaxpr")
+
+
+def call_body(eqn: Any) -> Any | None:
+    """The body of a call-like equation as (jaxpr, consts), or None if it is not one."""
+    getter = _CALL_BODIES.get(eqn.primitive)
+    if getter is None:
+        return None
+    body = getter(eqn.params)
+    if body is None:
+        return None
+    jaxpr, consts = open_jaxpr(body)
+    if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
+        return None
+    return jaxpr, consts
+
+
+def primitive_name(eqn: Any) -> str:
+    return str(eqn.primitive.name)
+
+
+# --------------------------------------------------------------------------- markers
+
+
+def bind_marker(value: Any, key: str) -> None:
+    """Records `value` in the traced program under `key`; the value itself is unchanged."""
+    checkpoint_name(value, MARKER_PREFIX + key)
+
+
+def marker_key(eqn: Any) -> str | None:
+    """The key of a jaxslice marker equation, or None for any other equation."""
+    if eqn.primitive.name != "name" or len(eqn.invars) != 1:
+        return None
+    name = eqn.params.get("name")
+    if isinstance(name, str) and name.startswith(MARKER_PREFIX):
+        return name[len(MARKER_PREFIX) :]
+    return None
+
+
+# --------------------------------------------------------------------------- name stacks
+
+
+def eqn_scopes(eqn: Any) -> tuple[str, ...]:
+    """The `jax.named_scope` names active at an equation, outermost first."""
+    stack = eqn.source_info.name_stack
+    out = []
+    for entry in getattr(stack, "stack", ()):
+        # Transform entries (jvp, vmap, ...) are not user scopes.
+        if type(entry).__name__ == "Scope":
+            out.append(str(entry.name))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Applies an equation's primitive to new operands, as `jax.core.eval_jaxpr` does."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    # JAX < 0.10 returns (subfuns, params); 0.10 returns params alone.
+    if isinstance(bind_params, tuple):
+        subfuns, bind_params = bind_params
+    else:
+        subfuns = ()
+    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), _eqn_ctx(eqn):
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _eqn_ctx(eqn: Any) -> Any:
+    ctx = getattr(eqn, "ctx", None)
+    manager = getattr(ctx, "manager", None)
+    return manager if manager is not None else contextlib.nullcontext()
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, _core.Tracer)

@@ -1,0 +1,121 @@
+"""Errors jaxslice raises on bad input.
+
+Every error is a `SliceError`, so `except js.SliceError` catches anything jaxslice
+rejects. Each subclass says what failed, shows the offending value in context and
+suggests a fix. Long messages are templates kept here, beside their class.
+"""
+
+from __future__ import annotations
+
+
+class SliceError(Exception):
+    """Base class of every error jaxslice raises on bad input.
+
+    >>> import jaxslice as js
+    >>> issubclass(js.UnknownBoundaryError, js.SliceError)
+    True
+    """
+
+
+class UnsupportedTargetError(SliceError):
+    """The target is neither a Flax module nor a callable.
+
+    Reproducer: ``js.boundaries(42, x)``.
+    """
+
+    TEMPLATE = (
+        "jaxslice cannot trace a target of type {kind}.\n"
+        "Pass one of:\n"
+        "  1. a Flax linen module:  js.slice(model, variables, x, end=...)\n"
+        "  2. a Flax NNX module:    js.slice(model, x, end=...)\n"
+        "  3. a plain function whose first argument holds the parameters:\n"
+        "     js.slice(fn, params, x, end=...)"
+    )
+
+
+class UnknownBoundaryError(SliceError):
+    """A boundary name matches no module call.
+
+    Reproducer: ``js.slice(model, variables, x, end="layer_1")`` when the module is
+    named ``layer1``; the message lists the closest existing names.
+    """
+
+    TEMPLATE = (
+        "No boundary named {name!r}.{hint}\n"
+        "Names are module paths exactly as parameters are keyed (e.g. 'block1/conv'), "
+        "never prefixes. `print(js.boundaries(...))` lists them all."
+    )
+
+
+class AmbiguousBoundaryError(SliceError):
+    """A bare name matches a module that is called several times.
+
+    Reproducer: ``js.slice(model, variables, x, end="shared")`` when ``shared`` is called
+    twice; use ``shared@0`` or ``shared@1``.
+    """
+
+    TEMPLATE = (
+        "{name!r} is called {count} times, so the bare name is ambiguous.\n"
+        "Pick one call: {choices}."
+    )
+
+
+class BoundaryInLoopError(SliceError):
+    """A boundary inside a loop or conditional body was asked for.
+
+    Reproducer: a module called inside ``jax.lax.scan``; slice at the scan as a whole.
+    """
+
+    TEMPLATE = (
+        "{name!r} is called inside the body of a `{primitive}`, where one value per "
+        "iteration (or branch) exists, so it cannot start or end a slice.\n"
+        "Slice at a module that contains the whole `{primitive}` instead{outer}."
+    )
+
+
+class MissingInputError(SliceError):
+    """The requested outputs need a value that is neither a start input nor a parameter.
+
+    Reproducer: a U-Net whose decoder reads a skip connection from an encoder block
+    that runs before ``start``.
+    """
+
+    TEMPLATE = (
+        "The slice from {start} to {end} needs {what}, which is computed before the "
+        "start of the slice and is not one of its inputs.\n"
+        "Add it to `start`, for example: start={fix!r}"
+    )
+
+
+class DisconnectedError(SliceError):
+    """An end (or a start) is not connected to the rest of the slice.
+
+    Reproducer: ``start="head", end="stem"``, where ``stem`` runs before ``head``.
+    """
+
+    TEMPLATE = (
+        "{what}\nCheck the order of `start` and `end`: `print(js.boundaries(...))` lists the "
+        "module calls in the order they run."
+    )
+
+
+class InputMismatchError(SliceError):
+    """A slice was called with inputs of the wrong structure, shape or dtype.
+
+    Reproducer: calling a slice traced for ``float32[8, 16]`` with ``float32[8, 17]``.
+    """
+
+
+class InvalidSpecError(SliceError):
+    """`start`, `end` or `names` is not of a supported form.
+
+    Reproducer: ``js.slice(model, variables, x, end=3)``.
+    """
+
+
+class VariablesMismatchError(SliceError):
+    """Variables passed to a slice do not match the variables the slice uses.
+
+    Reproducer: ``sub.apply(full_variables, x)`` with extra entries; pass
+    ``sub.variables`` (or the result of training them) instead.
+    """

@@ -1,0 +1,302 @@
+"""From `start`/`end` specifications to a plan: which values go in, which come out, and
+which equations and variables are needed in between.
+
+The inputs of a slice are "arguments": an output port is one argument (the module's whole
+result pytree); an input port contributes each of the call's arguments that holds an array
+that is not a variable, positionally or by keyword as the call received it (`start=None`
+means the model's own inputs, the same way). A leaf of an argument that is a variable, a
+constant or a non-array is fixed by the trace and ignored when the slice is called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from . import _cut
+from ._errors import DisconnectedError, InvalidSpecError, MissingInputError
+from ._graph import Call, Graph, Slot
+from ._markers import INPUT, OUTPUT
+from ._names import Resolver
+
+
+@dataclasses.dataclass(frozen=True)
+class Port:
+    spec: str | None  # as the user wrote it; None for the model's inputs or outputs
+    call: Call
+    side: str
+
+    @property
+    def label(self) -> str:
+        if self.spec is None:
+            return "the model's inputs" if self.side == INPUT else "the model's output"
+        return repr(f"{self.call.qualname}:{self.side}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Argument:
+    """One argument of a slice call."""
+
+    port: Port
+    keyword: str | None  # set for keyword arguments
+    position: int | None  # position in the call's positional arguments
+    tree: Any  # treedef of the argument as traced
+    slot_ids: tuple[int | None, ...]  # per leaf: the value it feeds, or None if fixed
+
+    @property
+    def input_ids(self) -> list[int]:
+        return [i for i in self.slot_ids if i is not None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    starts: tuple[Port, ...] | None  # None: the model's inputs
+    ends: Any  # a Port, a tuple of Ports or a dict of Ports
+    arguments: tuple[Argument, ...]
+    input_ids: tuple[int, ...]
+    output_trees: Any  # same nesting as `ends`, each a pytree of Slots
+    output_ids: tuple[int, ...]
+    cut: _cut.Cut
+    variable_ids: tuple[int, ...]
+    variable_paths: tuple[tuple[Any, ...], ...]
+    rng_ids: tuple[int, ...]
+
+
+def _is_input(graph: Graph, slot: Slot) -> bool:
+    return slot.id is not None and not graph.is_free(slot.id)
+
+
+def arguments_of(graph: Graph, port: Port) -> list[Argument]:
+    call, side = port.call, port.side
+    if side == OUTPUT:
+        slots = call.out_slots
+        ids = tuple(s.id if _is_input(graph, s) else None for s in slots)
+        return [Argument(port, None, None, call.out_tree, ids)]
+    args, kwargs = call.port_tree(INPUT)
+    out = []
+    for i, arg in enumerate(args):
+        leaves, tree = jax.tree_util.tree_flatten(arg)
+        ids = tuple(s.id if _is_input(graph, s) else None for s in leaves)
+        if any(x is not None for x in ids):
+            out.append(Argument(port, None, i, tree, ids))
+    for key, arg in kwargs.items():
+        leaves, tree = jax.tree_util.tree_flatten(arg)
+        ids = tuple(s.id if _is_input(graph, s) else None for s in leaves)
+        if any(x is not None for x in ids):
+            out.append(Argument(port, key, None, tree, ids))
+    return out
+
+
+def _normalise_starts(start: Any) -> list[Any] | None:
+    if start is None:
+        return None
+    if isinstance(start, str):
+        return [start]
+    if isinstance(start, (list, tuple)) and start:
+        return list(start)
+    raise InvalidSpecError(
+        f"`start` must be None (the model's inputs), a boundary name or a non-empty list of "
+        f"names, got {start!r}."
+    )
+
+
+def resolve_ends(resolver: Resolver, graph: Graph, end: Any) -> Any:
+    def one(spec: Any) -> Port:
+        if spec is None:
+            out_call = dataclasses.replace(
+                graph.model_input_call(),
+                name="<output>",
+                out_tree=graph.out_tree,
+                out_slots=graph.out_slots,
+                stop=len(graph.eqns),
+            )
+            return Port(None, out_call, OUTPUT)
+        call, side = resolver.resolve(spec, OUTPUT)
+        return Port(spec, call, side)
+
+    if end is None or isinstance(end, str):
+        return one(end)
+    if isinstance(end, (list, tuple)):
+        if not end:
+            raise InvalidSpecError("`end` is an empty list; name at least one boundary.")
+        return tuple(one(e) for e in end)
+    if isinstance(end, dict):
+        if not end:
+            raise InvalidSpecError("`end` is an empty dict; map at least one key to a boundary.")
+        return {k: one(v) for k, v in end.items()}
+    raise InvalidSpecError(
+        f"`end` must be a boundary name, a list of names, a dict of names or None, got {end!r}."
+    )
+
+
+def port_value_tree(graph: Graph, port: Port) -> Any:
+    """The pytree (of Slots) that a port yields when it is an end."""
+    if port.side == OUTPUT:
+        return port.call.port_tree(OUTPUT)
+    args = arguments_of(graph, port)
+    trees = []
+    for a in args:
+        trees.append(jax.tree_util.tree_unflatten(a.tree, [Slot(i) if i is not None else Slot(None) for i in a.slot_ids]))
+    if len(trees) == 1:
+        return trees[0]
+    return tuple(trees)
+
+
+def plan(graph: Graph, resolver: Resolver, start: Any, end: Any) -> Plan:
+    specs = _normalise_starts(start)
+    if specs is None:
+        starts = None
+        arguments = arguments_of(graph, Port(None, graph.model_input_call(), INPUT))
+    else:
+        ports = []
+        for spec in specs:
+            if spec is None:
+                ports.append(Port(None, graph.model_input_call(), INPUT))
+            else:
+                call, side = resolver.resolve(spec, INPUT)
+                ports.append(Port(spec, call, side))
+        starts = tuple(ports)
+        arguments = [a for p in ports for a in arguments_of(graph, p)]
+    keywords = [a.keyword for a in arguments if a.keyword is not None]
+    if len(keywords) != len(set(keywords)):
+        raise InvalidSpecError(
+            f"Two start boundaries take a keyword argument of the same name ({keywords}); "
+            "name one of them by its `:output` port instead."
+        )
+    ends = resolve_ends(resolver, graph, end)
+    end_ports = _flat_ports(ends)
+    output_trees = _map_ports(lambda p: port_value_tree(graph, p), ends)
+    output_ids = tuple(
+        s.id for tree in _flat_ports(output_trees, leaf_type=None) for s in jax.tree_util.tree_leaves(tree) if s.id is not None
+    )
+    input_ids = tuple(i for a in arguments for i in a.input_ids)
+    program = [(e.ins, e.outs) for e in graph.eqns]
+    result = _cut.cut(program, graph.producer, set(input_ids), graph.is_free, output_ids)
+    if starts is not None:
+        _check_connected(graph, program, arguments, result, starts, ends)
+    if result.missing:
+        _raise_missing(graph, program, input_ids, output_ids, starts, end_ports)
+    used = result.used_free
+    var_pairs = [(v, p) for v, p in zip(graph.variable_ids, graph.variable_paths, strict=True) if v in used]
+    return Plan(
+        starts=starts,
+        ends=ends,
+        arguments=tuple(arguments),
+        input_ids=input_ids,
+        output_trees=output_trees,
+        output_ids=output_ids,
+        cut=result,
+        variable_ids=tuple(v for v, _ in var_pairs),
+        variable_paths=tuple(p for _, p in var_pairs),
+        rng_ids=tuple(v for v in graph.rng_ids if v in used),
+    )
+
+
+def _flat_ports(ends: Any, leaf_type: type | None = Port) -> list[Any]:
+    if isinstance(ends, tuple):
+        return list(ends)
+    if isinstance(ends, dict):
+        return list(ends.values())
+    return [ends]
+
+
+def _map_ports(fn: Any, ends: Any) -> Any:
+    if isinstance(ends, tuple):
+        return tuple(fn(p) for p in ends)
+    if isinstance(ends, dict):
+        return {k: fn(p) for k, p in ends.items()}
+    return fn(ends)
+
+
+def _check_connected(
+    graph: Graph, program: Any, arguments: Sequence[Argument], result: _cut.Cut, starts: tuple[Port, ...], ends: Any
+) -> None:
+    start_labels = ", ".join(p.label for p in starts)
+    first_start = min(p.call.start for p in starts)
+    input_ids = {i for a in arguments for i in a.input_ids}
+    for port in _flat_ports(ends):
+        tree = port_value_tree(graph, port)
+        ids = [s.id for s in jax.tree_util.tree_leaves(tree) if s.id is not None]
+        if not ids or ids and _cut.cut(program, graph.producer, input_ids, graph.is_free, ids).used_starts:
+            continue
+        order = ""
+        if port.spec is not None and port.call.stop <= first_start:
+            order = f" ({port.label} runs before the start.)"
+        raise DisconnectedError(
+            DisconnectedError.TEMPLATE.format(what=f"{port.label} does not depend on the start {start_labels}.{order}")
+        )
+    end_labels = ", ".join(p.label for p in _flat_ports(ends))
+    for port in starts:
+        ids = {i for a in arguments if a.port is port for i in a.input_ids}
+        if not ids & result.used_starts:
+            raise DisconnectedError(
+                DisconnectedError.TEMPLATE.format(
+                    what=f"The start {port.label} is not used by {end_labels}; remove it from `start`."
+                )
+            )
+
+
+def _raise_missing(
+    graph: Graph,
+    program: Any,
+    input_ids: Sequence[int],
+    output_ids: Sequence[int],
+    starts: tuple[Port, ...] | None,
+    ends: list[Port],
+) -> None:
+    landmarks: dict[int, tuple[Call, str]] = {}
+    for call in graph.calls:
+        if call.loop is not None:
+            continue
+        for s in call.out_slots:
+            if s.id is not None:
+                landmarks.setdefault(s.id, (call, OUTPUT))
+    for call in graph.calls:  # inputs only where no output names the value
+        if call.loop is not None:
+            continue
+        for s in call.in_slots:
+            if s.id is not None:
+                landmarks.setdefault(s.id, (call, INPUT))
+    found = _cut.frontier(program, graph.producer, set(input_ids), graph.is_free, output_ids, landmarks.__contains__)
+    model_inputs = set(graph.input_ids)
+    names: list[str] = []
+    for v in found:
+        if v in landmarks:
+            call, side = landmarks[v]
+            label = call.qualname if side == OUTPUT else f"{call.qualname}:input"
+        elif v in model_inputs:
+            label = None
+        else:
+            continue
+        if label not in names:
+            names.append(label)
+    current = [p.spec for p in starts] if starts else []
+    what = []
+    additions: list[str | None] = []
+    for n in names:
+        if n is None:
+            what.append("the model's own input")
+            additions.append(None)
+            continue
+        call_name, _, port = n.partition(":")
+        avals = [graph.avals[v] for v in found if v in landmarks and landmarks[v][0].qualname == call_name]
+        shapes = ", ".join(_short(a) for a in avals)
+        what.append(f"the {port or 'output'} of {call_name!r} ({shapes})")
+        additions.append(n if port else f"{n}:output")
+    if not what:
+        what = ["a value computed before the start"]
+    raise MissingInputError(
+        MissingInputError.TEMPLATE.format(
+            start=", ".join(p.label for p in starts) if starts else "the model's inputs",
+            end=", ".join(p.label for p in ends),
+            what=" and ".join(what),
+            fix=current + additions,
+        )
+    )
+
+
+def _short(aval: Any) -> str:
+    return aval.str_short() if hasattr(aval, "str_short") else str(aval)

@@ -1,0 +1,63 @@
+"""`js.slice` and the `Sliceable` mixin."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _compat, _trace
+from ._sliced import Sliced
+
+
+def slice(target: Any, *args: Any, start: Any = None, end: Any = None, **kwargs: Any) -> Sliced:  # noqa: A001
+    """The sub-network between named boundaries, as a compiled, trainable function.
+
+    Args:
+      target: a Flax linen module, or a plain function ``fn(variables, *inputs)``.
+      *args: what the target is called with: ``variables, *inputs`` for linen and plain
+        functions. The sample inputs fix dtypes and non-batch shapes.
+      start: where the slice begins: ``None`` (the model's inputs), a boundary name, or a
+        list of names (and ``None``). A name means the module's input (the slice includes
+        that module); ``name:output`` means its output.
+      end: where it ends: ``None`` (the model's output), a name (the module's output;
+        ``name:input`` for its input), a list of names (a tuple of values) or a dict
+        ``{key: name}`` (a dict of values).
+      **kwargs: keyword arguments of the model call; those without arrays select the mode
+        (e.g. ``train=False``), ``rngs`` are random keys.
+
+    Returns:
+      A `js.Sliced`: ``sub(*inputs)`` runs the slice with ``sub.variables``; each start
+      contributes its module's array arguments (an ``:output`` port, the whole output).
+
+    Raises:
+      SliceError: for unknown or ambiguous names, a slice that needs a value before its
+        start, an end that does not depend on the start, or a target that cannot be traced.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxslice as js
+    >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)])
+    >>> x = jnp.ones((4, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> head = js.slice(model, variables, x, start="layers_2")
+    >>> head(jnp.ones((4, 8))).shape
+    (4, 2)
+    >>> sorted(head.variables["params"])
+    ['layers_2']
+    """
+    traced = _trace.trace(target, args, kwargs)
+    return Sliced(traced, start, end)
+
+
+class Sliceable:
+    """Mixin giving a module a ``.slice(...)`` method: ``net.slice(...) == js.slice(net, ...)``.
+
+    >>> import flax.linen as nn, jaxslice as js
+    >>> class Net(js.Sliceable, nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return nn.Dense(2, name="head")(nn.Dense(4, name="body")(x))
+    """
+
+    def slice(self, *args: Any, start: Any = None, end: Any = None, **kwargs: Any) -> Sliced:
+        return slice(self, *args, start=start, end=end, **kwargs)
+
+
+_compat.register_frames_exclusion(__file__)

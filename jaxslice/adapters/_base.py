@@ -1,0 +1,60 @@
+"""The contract every model-kind adapter fulfils."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class Split:
+    """A target's call arguments, sorted by role."""
+
+    variables: Any  # parameters and state (a pytree)
+    rngs: Any  # random keys (a pytree, often None)
+    args: tuple[Any, ...]  # positional model inputs
+    kwargs: dict[str, Any]  # keyword model inputs that hold arrays
+    mode: dict[str, Any]  # keyword arguments without arrays: they select a mode
+
+
+class Adapter:
+    """How one kind of model is split, called and marked."""
+
+    kind: str = ""
+    #: whether `jax.named_scope` regions count as boundaries
+    name_scopes: bool = False
+
+    def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
+        raise NotImplementedError
+
+    def call(self, target: Any, variables: Any, rngs: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Runs the model with its module calls marked (marking is already switched on)."""
+        raise NotImplementedError
+
+    def parameter_counts(self, variables: Any) -> dict[str, int]:
+        """Parameter count per module path (`/`-joined), including submodules."""
+        return {}
+
+
+def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Separates keyword inputs holding arrays from mode keywords (flags, strings)."""
+    from .._markers import is_array
+    import jax
+
+    inputs, mode = {}, {}
+    for k, v in kwargs.items():
+        if any(is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(v)):
+            inputs[k] = v
+        else:
+            mode[k] = v
+    return inputs, mode
+
+
+def count_by_prefix(flat: dict[tuple[str, ...], int]) -> dict[str, int]:
+    """Sums leaf sizes keyed by path into every prefix of that path."""
+    counts: dict[str, int] = {}
+    for path, size in flat.items():
+        for k in range(len(path) + 1):
+            key = "/".join(path[:k])
+            counts[key] = counts.get(key, 0) + size
+    return counts

@@ -1,0 +1,96 @@
+"""Plain JAX functions: `fn(variables, *inputs)`.
+
+Boundaries are calls of functions wrapped with `js.mark(name)` and `jax.named_scope`
+regions. `js.mark` also opens a `jax.named_scope` of its name, so a marked function's name
+is its full scope path (marks and scopes nest alike), and profiles show the same names.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+import jax
+
+from .. import _markers
+from ._base import Adapter, Split, count_by_prefix, split_kwargs
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@overload
+def mark(name: str) -> Callable[[F], F]: ...
+@overload
+def mark(name: str, fn: F) -> F: ...
+def mark(name: str, fn: Callable[..., Any] | None = None) -> Any:
+    """Marks a plain function as a module named `name`, so it can be sliced at.
+
+    Use it as a decorator, or wrap a function in place. Outside a jaxslice trace the
+    wrapped function behaves exactly like the original (inside a `jax.named_scope` of the
+    same name).
+
+    Args:
+      name: the boundary name; nested marks and `jax.named_scope`s prefix it with
+        their names, joined by ``/``.
+      fn: the function to wrap; if omitted, `mark` returns a decorator.
+
+    Returns:
+      The wrapped function.
+
+    >>> import jax.numpy as jnp, jaxslice as js
+    >>> @js.mark("double")
+    ... def double(x):
+    ...     return 2 * x
+    >>> def model(params, x):
+    ...     return double(x) + params["b"]
+    >>> [b.name for b in js.boundaries(model, {"b": jnp.ones(3)}, jnp.ones(3))]
+    ['double']
+    """
+    if not isinstance(name, str) or not name:
+        from .._errors import InvalidSpecError
+
+        raise InvalidSpecError(f"js.mark needs a non-empty string name, got {name!r}.")
+    if fn is None:
+        return functools.partial(mark, name)
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with jax.named_scope(name):
+            return _markers.call_marked(
+                fn,
+                args,
+                kwargs,
+                kind="mark",
+                path=(name,),
+                method="__call__",
+                module_type=getattr(fn, "__name__", type(fn).__name__),
+            )
+
+    return wrapped
+
+
+class PlainAdapter(Adapter):
+    kind = "plain"
+    name_scopes = True
+
+    def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
+        if not args:
+            from .._errors import UnsupportedTargetError
+
+            raise UnsupportedTargetError(
+                "A plain function is sliced as js.slice(fn, params, *inputs, end=...): its first "
+                "argument holds the parameters. Pass `None` if it has none."
+            )
+        inputs, mode = split_kwargs(kwargs)
+        return Split(variables=args[0], rngs=None, args=tuple(args[1:]), kwargs=inputs, mode=mode)
+
+    def call(self, target: Any, variables: Any, rngs: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return target(variables, *args, **kwargs)
+
+    def parameter_counts(self, variables: Any) -> dict[str, int]:
+        flat = {}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]:
+            keys = tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+            flat[keys] = int(getattr(leaf, "size", 1))
+        return count_by_prefix(flat)
