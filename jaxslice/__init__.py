@@ -6,6 +6,7 @@ from ._errors import DisconnectedError as DisconnectedError
 from ._errors import InputMismatchError as InputMismatchError
 from ._errors import InvalidSpecError as InvalidSpecError
 from ._errors import MissingInputError as MissingInputError
+from ._errors import ModelTraceError as ModelTraceError
 from ._errors import SliceError as SliceError
 from ._errors import UnknownBoundaryError as UnknownBoundaryError
 from ._errors import UnsupportedTargetError as UnsupportedTargetError
@@ -28,6 +29,7 @@ __all__ = [
     "InputMismatchError",
     "InvalidSpecError",
     "MissingInputError",
+    "ModelTraceError",
     "SliceError",
     "Sliceable",
     "Sliced",

@@ -113,6 +113,21 @@ class InvalidSpecError(SliceError):
     """
 
 
+class ModelTraceError(SliceError):
+    """The model itself refused to run with the arguments jaxslice traced it with.
+
+    Reproducer: ``sub.apply(variables, x, train=True)`` on a model with dropout, without
+    ``rngs={"dropout": key}``. The model's own error is chained as ``__cause__``.
+    """
+
+    TEMPLATE = "Tracing the model{mode} failed: {error}{hint}"
+    RNG_HINT = (
+        "\nThe model draws random numbers in this mode: pass the keys it needs, e.g. "
+        "`sub.apply(sub.variables, x, train=True, rngs={'dropout': key})` (or `rngs=` to "
+        "js.slice)."
+    )
+
+
 class VariablesMismatchError(SliceError):
     """Variables passed to a slice do not match the variables the slice uses.
 

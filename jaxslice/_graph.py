@@ -103,6 +103,8 @@ class Graph:
     input_slots: list[Slot] = dataclasses.field(default_factory=list)
     out_slots: list[Slot] = dataclasses.field(default_factory=list)
     out_tree: Any = None
+    state_paths: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+    state_ids: list[int] = dataclasses.field(default_factory=list)
     calls: list[Call] = dataclasses.field(default_factory=list)
     producer: dict[int, int] = dataclasses.field(default_factory=dict)
 
@@ -253,7 +255,8 @@ def build(
     input_statics: Sequence[Any],
     out_tree: Any,
     out_statics: dict[int, Any],
-    name_scopes: bool,
+    state_paths: Sequence[tuple[Any, ...]] = (),
+    name_scopes: bool = False,
 ) -> Graph:
     """Flattens a traced program whose invars are (variables, rngs, array inputs)."""
     b = _Builder()
@@ -286,6 +289,9 @@ def build(
             g.out_slots.append(Slot(None, out_statics[i]))
         else:
             g.out_slots.append(Slot(b.read(env, next(outs))))
+    g.state_paths = list(state_paths)
+    g.state_ids = [b.read(env, v) for v in outs]
+    assert len(g.state_ids) == len(g.state_paths)
     g.calls = _calls_from_markers(b.occurrences, len(g.eqns))
     if name_scopes:
         marked = {c.name for c in g.calls}

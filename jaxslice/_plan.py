@@ -63,6 +63,8 @@ class Plan:
     variable_ids: tuple[int, ...]
     variable_paths: tuple[tuple[Any, ...], ...]
     rng_ids: tuple[int, ...]
+    state_paths: tuple[tuple[Any, ...], ...] = ()  # updated state the slice returns
+    state_ids: tuple[int, ...] = ()
 
 
 def _is_input(graph: Graph, slot: Slot) -> bool:
@@ -145,7 +147,7 @@ def port_value_tree(graph: Graph, port: Port) -> Any:
     return tuple(trees)
 
 
-def plan(graph: Graph, resolver: Resolver, start: Any, end: Any) -> Plan:
+def plan(graph: Graph, resolver: Resolver, start: Any, end: Any, mutable: Any = False) -> Plan:
     specs = _normalise_starts(start)
     if specs is None:
         starts = None
@@ -169,7 +171,7 @@ def plan(graph: Graph, resolver: Resolver, start: Any, end: Any) -> Plan:
     ends = resolve_ends(resolver, graph, end)
     end_ports = _flat_ports(ends)
     output_trees = _map_ports(lambda p: port_value_tree(graph, p), ends)
-    output_ids = tuple(
+    output_ids: tuple[int, ...] = tuple(
         s.id for tree in _flat_ports(output_trees, leaf_type=None) for s in jax.tree_util.tree_leaves(tree) if s.id is not None
     )
     input_ids = tuple(i for a in arguments for i in a.input_ids)
@@ -179,6 +181,13 @@ def plan(graph: Graph, resolver: Resolver, start: Any, end: Any) -> Plan:
         _check_connected(graph, program, arguments, result, starts, ends)
     if result.missing:
         _raise_missing(graph, program, input_ids, output_ids, starts, end_ports)
+    state_pairs: list[tuple[tuple[Any, ...], int]] = []
+    if mutable:
+        state_pairs = _slice_state(graph, program, result, set(input_ids), output_ids, mutable)
+        if state_pairs:
+            result = _cut.cut(
+                program, graph.producer, set(input_ids), graph.is_free, output_ids + tuple(v for _, v in state_pairs)
+            )
     used = result.used_free
     var_pairs = [(v, p) for v, p in zip(graph.variable_ids, graph.variable_paths, strict=True) if v in used]
     return Plan(
@@ -192,7 +201,48 @@ def plan(graph: Graph, resolver: Resolver, start: Any, end: Any) -> Plan:
         variable_ids=tuple(v for v, _ in var_pairs),
         variable_paths=tuple(p for _, p in var_pairs),
         rng_ids=tuple(v for v in graph.rng_ids if v in used),
+        state_paths=tuple(p for p, _ in state_pairs),
+        state_ids=tuple(v for _, v in state_pairs),
     )
+
+
+def _key(entry: Any) -> str:
+    return str(getattr(entry, "key", getattr(entry, "idx", getattr(entry, "name", entry))))
+
+
+def _slice_state(
+    graph: Graph, program: Any, result: _cut.Cut, input_ids: set[int], output_ids: tuple[int, ...], mutable: Any
+) -> list[tuple[tuple[Any, ...], int]]:
+    """The updated state entries that belong to the slice.
+
+    An entry belongs to the slice when the module that owns it (the longest module path
+    that prefixes the entry's path) has a call with equations in the slice, and its new
+    value can be computed from the slice's inputs. State of modules outside the slice is
+    not returned, so merging the result back leaves it untouched.
+    """
+    wanted = None if mutable is True else ({mutable} if isinstance(mutable, str) else set(mutable))
+    in_cut = set(result.eqns)
+    module_calls: dict[tuple[str, ...], list[Call]] = {}
+    for call in graph.calls:
+        if call.kind in ("linen", "nnx") and call.loop is None:
+            module_calls.setdefault(call.path, []).append(call)
+    participating = {
+        path
+        for path, calls in module_calls.items()
+        if any(any(i in in_cut for i in range(c.start, c.stop)) for c in calls)
+    }
+    chosen = []
+    for path, vid in zip(graph.state_paths, graph.state_ids, strict=True):
+        keys = tuple(_key(k) for k in path)
+        if not keys or (wanted is not None and keys[0] not in wanted):
+            continue
+        owner = max((m for m in module_calls if keys[1 : 1 + len(m)] == m), key=len, default=None)
+        if owner is None or owner not in participating:
+            continue
+        if _cut.cut(program, graph.producer, input_ids, graph.is_free, [vid]).missing:
+            continue  # its final value comes from a call outside the slice
+        chosen.append((path, vid))
+    return chosen
 
 
 def _flat_ports(ends: Any, leaf_type: type | None = Port) -> list[Any]:

@@ -37,8 +37,8 @@ class _Entry:
 
 def _make_entry(traced: Traced, start: Any, end: Any) -> _Entry:
     graph = traced.graph
-    p = _plan.plan(graph, Resolver(graph), start, end)
-    fn = _interpret.emit(graph, p.cut.eqns, [p.variable_ids, p.rng_ids, p.input_ids], p.output_ids)
+    p = _plan.plan(graph, Resolver(graph), start, end, traced.split.mutable)
+    fn = _interpret.emit(graph, p.cut.eqns, [p.variable_ids, p.rng_ids, p.input_ids], p.output_ids + p.state_ids)
     return _Entry(traced, p, fn, jax.jit(fn))
 
 
@@ -72,9 +72,11 @@ class Sliced:
         self.end = end
         entry = _make_entry(traced, start, end)
         self._base = entry
-        self._entries: dict[Any, _Entry] = {}
-        self._entries[self._signature(entry, self._traced_input_avals(entry), traced.split.mode)] = entry
-        self._variables = prune(traced.split.variables, set(entry.plan.variable_paths))
+        split = traced.split
+        key = self._signature(self._traced_input_avals(entry), split.rngs, split.mode, split.mutable)
+        self._entries: dict[Any, _Entry] = {key: entry}
+        self._variables = prune(split.variables, set(entry.plan.variable_paths))
+        self._variable_index: dict[Any, list[int]] = {}
 
     # ------------------------------------------------------------------ public
 
@@ -97,37 +99,73 @@ class Sliced:
         return self.apply(self._variables, *inputs, **kwargs)
 
     def apply(self, variables: Any, *inputs: Any, rngs: Any = None, mutable: Any = False, **kwargs: Any) -> Any:
-        """Runs the slice with the given variables.
+        """Runs the slice with the given variables, with linen's conventions.
 
         Args:
           variables: variables with the structure of ``sub.variables``.
           *inputs: the slice's inputs, one per start argument (see `js.slice`).
-          rngs: random keys, as for the model's ``apply``.
-          mutable: not supported yet; must be False.
+          rngs: random keys, as for the model's ``apply`` (``{"dropout": key}``); the
+            same keys give the same random numbers as in the full model.
+          mutable: collections whose updates to return, as for linen's ``apply``.
           **kwargs: keyword inputs of the start boundaries, and mode keywords (such as
-            ``train=True``) that are passed to the model; a new mode is traced once and
-            cached.
+            ``train=True``) passed to the model; each new mode is traced once and cached.
 
         Returns:
-          The values at ``end``: one pytree, a tuple, or a dict, as ``end`` was given.
+          The values at ``end`` (one pytree, a tuple or a dict, as ``end`` was given);
+          with `mutable`, ``(values, updated_state)`` where the state holds only the
+          slice's own entries.
         """
-        if mutable:
-            raise SliceError("`mutable` is not supported by this version of jaxslice; pass mutable=False.")
         base = self._base
+        adapter = base.traced.adapter
+        if adapter.kind == "plain" and (rngs is not None or mutable):
+            raise SliceError(
+                "A plain function takes random keys and state as ordinary inputs; `rngs` and "
+                "`mutable` apply to Flax models only."
+            )
         keyword_names = {a.keyword for a in base.plan.arguments if a.keyword is not None}
         kw_inputs = {k: v for k, v in kwargs.items() if k in keyword_names}
-        mode = {**base.traced.split.mode, **{k: v for k, v in kwargs.items() if k not in keyword_names}}
+        new_mode = {k: v for k, v in kwargs.items() if k not in keyword_names}
+        self._check_mode(new_mode)
+        mode = {**base.traced.split.mode, **new_mode}
         leaves = self._input_leaves(base.plan, inputs, kw_inputs)
         avals = tuple(_trace.abstract(x) for x in leaves)
-        key = self._signature(base, avals, mode)
+        key = self._signature(avals, rngs, mode, mutable)
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._retrace(leaves, avals, inputs, kw_inputs, mode)
+            entry = self._retrace(avals, inputs, kw_inputs, mode, rngs, mutable)
             self._entries[key] = entry
         var_leaves = self._variable_leaves(entry.plan, variables)
         rng_leaves = self._rng_leaves(entry, rngs)
         outs = entry.jitted(var_leaves, rng_leaves, leaves)
-        return _assemble(entry.plan.output_trees, entry.plan.output_ids, outs)
+        n = len(entry.plan.output_ids)
+        result = _assemble(entry.plan.output_trees, outs[:n])
+        if not mutable:
+            return result
+        return result, _nest(entry.plan.state_paths, outs[n:])
+
+    def merge(self, full_variables: Any, new_variables: Any) -> Any:
+        """The model's variables with the slice's entries replaced by `new_variables`.
+
+        The fine-tune-then-write-back round trip: `new_variables` has the structure of
+        ``sub.variables`` (or is a part of it, such as the updated state returned with
+        `mutable`). Leaves outside it are the same objects as in `full_variables`.
+
+        Raises:
+          VariablesMismatchError: if `new_variables` holds a path the model does not have.
+        """
+        updates = {p: x for p, x in jax.tree_util.tree_flatten_with_path(new_variables)[0]}
+        flat, treedef = jax.tree_util.tree_flatten_with_path(full_variables)
+        known = {p for p, _ in flat}
+        unknown = [p for p in updates if p not in known]
+        if unknown:
+            raise VariablesMismatchError(
+                "Cannot merge: the model's variables have no entry at "
+                + ", ".join(_path_str(p) for p in unknown[:8])
+                + ".\nPass the model's full variables first and the slice's variables second: "
+                "`sub.merge(variables, new_sub_variables)`."
+            )
+        leaves = [updates.get(p, x) for p, x in flat]
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def __repr__(self) -> str:
         p = self._base.plan
@@ -140,9 +178,27 @@ class Sliced:
     # ------------------------------------------------------------------ inputs
 
     @staticmethod
-    def _signature(entry: _Entry, avals: tuple[Any, ...], mode: Mapping[str, Any]) -> Any:
+    def _signature(avals: tuple[Any, ...], rngs: Any, mode: Mapping[str, Any], mutable: Any) -> Any:
         shapes = tuple((tuple(a.shape), str(a.dtype)) if isinstance(a, jax.ShapeDtypeStruct) else a for a in avals)
-        return shapes, tuple(sorted((k, _hashable(v)) for k, v in mode.items()))
+        rng_leaves, rng_tree = jax.tree_util.tree_flatten(rngs)
+        rng_sig = (rng_tree, tuple((tuple(jnp.shape(k)), str(jnp.result_type(k))) for k in rng_leaves))
+        if mutable is True or not mutable:
+            mut = bool(mutable)
+        else:
+            mut = (mutable,) if isinstance(mutable, str) else tuple(sorted(mutable))
+        return shapes, rng_sig, tuple(sorted((k, _hashable(v)) for k, v in mode.items())), mut
+
+    def _check_mode(self, mode: Mapping[str, Any]) -> None:
+        if not mode:
+            return
+        traced = self._base.traced
+        accepted = traced.adapter.accepted_keywords(traced.target)
+        unknown = [k for k in mode if accepted is not None and k not in accepted]
+        if unknown:
+            raise SliceError(
+                f"The model does not accept the keyword argument(s) {unknown}; it accepts "
+                f"{sorted(accepted or ())}. Mode keywords such as `train=True` are passed to the model."
+            )
 
     @staticmethod
     def _traced_input_avals(entry: _Entry) -> tuple[Any, ...]:
@@ -175,15 +231,17 @@ class Sliced:
 
     def _retrace(
         self,
-        leaves: list[Any],
         avals: tuple[Any, ...],
         inputs: tuple[Any, ...],
         kw_inputs: dict[str, Any],
         mode: dict[str, Any],
+        rngs: Any,
+        mutable: Any,
     ) -> _Entry:
         base = self._base
         split = base.traced.split
         expected = self._traced_input_avals(base)
+        rngs = jax.tree_util.tree_map(_trace.abstract, rngs)
         if base.plan.starts is None:
             args, kwargs = list(split.args), dict(split.kwargs)
             given = iter(inputs)
@@ -194,7 +252,7 @@ class Sliced:
                     kwargs[arg.keyword] = value
                 else:
                     args[arg.position] = value
-            new_split = dataclasses.replace(split, args=tuple(args), kwargs=kwargs, mode=mode)
+            new_args, new_kwargs = tuple(args), kwargs
         else:
             batch = _new_batch_size(base, expected, avals)
             if batch is None:
@@ -207,27 +265,47 @@ class Sliced:
                 )
                 new_args = jax.tree_util.tree_map(resize, split.args)
                 new_kwargs = jax.tree_util.tree_map(resize, split.kwargs)
-            new_split = dataclasses.replace(split, args=new_args, kwargs=new_kwargs, mode=mode)
+        new_split = dataclasses.replace(
+            split, args=new_args, kwargs=new_kwargs, mode=mode, rngs=rngs, mutable=mutable
+        )
         traced = _trace.trace_split(base.traced.adapter, base.traced.target, new_split)
         entry = _make_entry(traced, self.start, self.end)
         got = self._traced_input_avals(entry)
         if base.plan.starts is not None and _shapes(got) != _shapes(avals):
             raise InputMismatchError(_mismatch_message(base, expected, avals))
+        if mutable and not entry.plan.state_paths:
+            wanted = "any collection" if mutable is True else repr(mutable)
+            raise SliceError(
+                f"mutable={wanted}, but the slice updates no state in it (in mode {mode}). "
+                "Pass mutable=False, or the collections the slice's modules update (e.g. "
+                "['batch_stats'] with train=True)."
+            )
         return entry
 
     # ------------------------------------------------------------------ variables
 
     def _variable_leaves(self, plan: _plan.Plan, variables: Any) -> list[Any]:
-        flat = {
-            p: x for p, x in jax.tree_util.tree_flatten_with_path(variables)[0] if _trace.is_traced_leaf(x)
-        }
-        missing = [p for p in plan.variable_paths if p not in flat]
-        expected = set(plan.variable_paths)
-        extra = [p for p in flat if p not in expected]
+        leaves, treedef = jax.tree_util.tree_flatten(variables)
+        cache_key = (treedef, plan.variable_paths)
+        index = self._variable_index.get(cache_key)
+        if index is None:
+            index = self._index_variables(plan, variables)
+            self._variable_index[cache_key] = index
+        return [leaves[i] for i in index]
+
+    def _index_variables(self, plan: _plan.Plan, variables: Any) -> list[int]:
+        flat = jax.tree_util.tree_flatten_with_path(variables)[0]
+        position = {p: i for i, (p, x) in enumerate(flat) if _trace.is_traced_leaf(x)}
+        allowed = {p for p, _ in jax.tree_util.tree_flatten_with_path(self._variables)[0]}
+        missing = [p for p in plan.variable_paths if p not in position]
+        extra = [p for p in position if p not in allowed]
         if missing or extra:
             lines = []
             if missing:
+                new = [p for p in missing if p not in allowed]
                 lines.append("missing: " + ", ".join(_path_str(p) for p in missing[:8]))
+                if new:
+                    lines.append("(this mode reads variables that `sub.variables` lacks; slice with this mode)")
             if extra:
                 lines.append("not used by the slice: " + ", ".join(_path_str(p) for p in extra[:8]))
             raise VariablesMismatchError(
@@ -236,18 +314,13 @@ class Sliced:
                 + ").\nPass `sub.variables`, or variables of the same structure (for example the "
                 "result of training them)."
             )
-        return [flat[p] for p in plan.variable_paths]
+        return [position[p] for p in plan.variable_paths]
 
     def _rng_leaves(self, entry: _Entry, rngs: Any) -> list[Any]:
         if not entry.plan.rng_ids:
             return []
-        source = rngs if rngs is not None else entry.traced.split.rngs
-        leaves = [x for x in jax.tree_util.tree_leaves(source) if _trace.is_traced_leaf(x)]
+        leaves = [x for x in jax.tree_util.tree_leaves(rngs) if _trace.is_traced_leaf(x)]
         position = {v: i for i, v in enumerate(entry.traced.graph.rng_ids)}
-        if len(leaves) != len(position):
-            raise SliceError(
-                f"`rngs` must have the structure used when slicing ({len(position)} key(s)), got {rngs!r}."
-            )
         return [leaves[position[v]] for v in entry.plan.rng_ids]
 
 
@@ -284,18 +357,31 @@ def _describe_argument(arg: _plan.Argument) -> str:
     return f"{arg.port.label} {where}"
 
 
-def _assemble(trees: Any, output_ids: tuple[int, ...], values: list[Any]) -> Any:
+def _assemble(trees: Any, values: list[Any]) -> Any:
     it = iter(values)
 
     def fill(tree: Any) -> Any:
-        return jax.tree_util.tree_map(lambda s: next(it) if s.id is not None else s.static, tree,
-                                      is_leaf=lambda x: isinstance(x, Slot))
+        return jax.tree_util.tree_map(
+            lambda s: next(it) if s.id is not None else s.static, tree, is_leaf=lambda x: isinstance(x, Slot)
+        )
 
     if isinstance(trees, tuple):
         return tuple(fill(t) for t in trees)
     if isinstance(trees, dict):
         return {k: fill(t) for k, t in trees.items()}
     return fill(trees)
+
+
+def _nest(paths: tuple[tuple[Any, ...], ...], values: list[Any]) -> dict[Any, Any]:
+    """Nested dicts from key paths, as linen returns updated collections."""
+    out: dict[Any, Any] = {}
+    for path, value in zip(paths, values, strict=True):
+        node = out
+        keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return out
 
 
 _EMPTY = object()

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from . import _compat, _graph, _markers
+from ._errors import ModelTraceError
 from .adapters import Adapter, adapter_for
 from .adapters._base import Split
 
@@ -74,19 +75,27 @@ def trace_split(adapter: Adapter, target: Any, split: Split) -> Traced:
 
     out_info: dict[str, Any] = {}
 
-    def program(var_a: list[Any], rng_a: list[Any], in_a: list[Any]) -> list[Any]:
+    def program(var_a: list[Any], rng_a: list[Any], in_a: list[Any]) -> tuple[list[Any], list[Any]]:
         variables = jax.tree_util.tree_unflatten(var_tree, _merge(var_mask, var_a, var_statics))
         rngs = jax.tree_util.tree_unflatten(rng_tree, _merge(rng_mask, rng_a, rng_statics))
         call_args, call_kwargs = jax.tree_util.tree_unflatten(in_tree, _merge(in_mask, in_a, in_statics))
         with _markers.marking():
-            out = adapter.call(target, variables, rngs, call_args, {**call_kwargs, **split.mode})
+            out, state = adapter.call(
+                target, variables, rngs, call_args, {**call_kwargs, **split.mode}, split.mutable
+            )
         leaves, treedef = jax.tree_util.tree_flatten(out)
         mask = [is_traced_leaf(x) for x in leaves]
         out_info["tree"] = treedef
         out_info["statics"] = {i: x for i, (x, m) in enumerate(zip(leaves, mask, strict=True)) if not m}
-        return [x for x, m in zip(leaves, mask, strict=True) if m]
+        state_flat = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0] if is_traced_leaf(x)]
+        out_info["state_paths"] = [p for p, _ in state_flat]
+        return [x for x, m in zip(leaves, mask, strict=True) if m], [x for _, x in state_flat]
 
-    closed, _ = _compat.make_jaxpr(program, var_arrays, rng_arrays, in_arrays)
+    try:
+        closed, _ = _compat.make_jaxpr(program, var_arrays, rng_arrays, in_arrays)
+    except Exception as e:
+        _reraise_model_error(e, split)
+        raise
     graph = _graph.build(
         closed,
         variable_paths=var_paths,
@@ -96,6 +105,7 @@ def trace_split(adapter: Adapter, target: Any, split: Split) -> Traced:
         input_statics=in_statics,
         out_tree=out_info["tree"],
         out_statics=out_info["statics"],
+        state_paths=out_info["state_paths"],
         name_scopes=adapter.name_scopes,
     )
     return Traced(
@@ -106,6 +116,19 @@ def trace_split(adapter: Adapter, target: Any, split: Split) -> Traced:
         variable_leaves=var_arrays,
         param_counts=adapter.parameter_counts(split.variables),
     )
+
+
+def _reraise_model_error(error: Exception, split: Split) -> None:
+    """Turns Flax's own errors about how the model was called into a `SliceError`."""
+    try:
+        import flax.errors
+    except ImportError:  # pragma: no cover
+        return
+    if not isinstance(error, flax.errors.FlaxError):
+        return
+    hint = ModelTraceError.RNG_HINT if isinstance(error, flax.errors.InvalidRngError) else ""
+    mode = f" (mode {split.mode}, mutable={split.mutable!r})" if split.mode or split.mutable else ""
+    raise ModelTraceError(ModelTraceError.TEMPLATE.format(mode=mode, error=error, hint=hint)) from error
 
 
 _compat.register_frames_exclusion(__file__)

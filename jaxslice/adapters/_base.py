@@ -15,6 +15,7 @@ class Split:
     args: tuple[Any, ...]  # positional model inputs
     kwargs: dict[str, Any]  # keyword model inputs that hold arrays
     mode: dict[str, Any]  # keyword arguments without arrays: they select a mode
+    mutable: Any = False  # collections the call may update (linen's `mutable`)
 
 
 class Adapter:
@@ -27,13 +28,39 @@ class Adapter:
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         raise NotImplementedError
 
-    def call(self, target: Any, variables: Any, rngs: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Runs the model with its module calls marked (marking is already switched on)."""
+    def call(
+        self, target: Any, variables: Any, rngs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mutable: Any
+    ) -> tuple[Any, Any]:
+        """Runs the model with its module calls marked (marking is already switched on).
+
+        Returns ``(output, updated_state)``; the state is None unless `mutable` is set.
+        """
         raise NotImplementedError
+
+    def accepted_keywords(self, target: Any) -> set[str] | None:
+        """Keyword arguments the model accepts, or None if it takes any."""
+        return None
 
     def parameter_counts(self, variables: Any) -> dict[str, int]:
         """Parameter count per module path (`/`-joined), including submodules."""
         return {}
+
+
+def keywords_of(fn: Any) -> set[str] | None:
+    """The keyword parameter names of `fn`, or None when it takes ``**kwargs``."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    names = set()
+    for p in sig.parameters.values():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            return None
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+            names.add(p.name)
+    return names
 
 
 def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from .. import _markers
-from ._base import Adapter, Split, count_by_prefix, split_kwargs
+from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
 
 _SKIPPED_METHODS = frozenset({"setup"})
 
@@ -57,15 +57,24 @@ class LinenAdapter(Adapter):
             )
         kwargs = dict(kwargs)
         rngs = kwargs.pop("rngs", None)
+        mutable = kwargs.pop("mutable", False)
         inputs, mode = split_kwargs(kwargs)
-        return Split(variables=args[0], rngs=rngs, args=tuple(args[1:]), kwargs=inputs, mode=mode)
+        return Split(variables=args[0], rngs=rngs, args=tuple(args[1:]), kwargs=inputs, mode=mode, mutable=mutable)
 
-    def call(self, target: Any, variables: Any, rngs: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call(
+        self, target: Any, variables: Any, rngs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mutable: Any
+    ) -> tuple[Any, Any]:
         import flax.linen as nn
 
         extra = {} if rngs is None else {"rngs": rngs}
         with nn.intercept_methods(_interceptor):
-            return target.apply(variables, *args, **extra, **kwargs)
+            out = target.apply(variables, *args, **extra, mutable=mutable, **kwargs)
+        return out if mutable else (out, None)
+
+    def accepted_keywords(self, target: Any) -> set[str] | None:
+        method = getattr(type(target), "__call__", None)
+        names = keywords_of(method) if method is not None else None
+        return None if names is None else (names - {"self"}) | {"method", "capture_intermediates"}
 
     def parameter_counts(self, variables: Any) -> dict[str, int]:
         params = variables.get("params", {}) if hasattr(variables, "get") else {}

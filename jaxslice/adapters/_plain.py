@@ -14,7 +14,7 @@ from typing import Any, TypeVar, overload
 import jax
 
 from .. import _markers
-from ._base import Adapter, Split, count_by_prefix, split_kwargs
+from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -85,8 +85,13 @@ class PlainAdapter(Adapter):
         inputs, mode = split_kwargs(kwargs)
         return Split(variables=args[0], rngs=None, args=tuple(args[1:]), kwargs=inputs, mode=mode)
 
-    def call(self, target: Any, variables: Any, rngs: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return target(variables, *args, **kwargs)
+    def call(
+        self, target: Any, variables: Any, rngs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mutable: Any
+    ) -> tuple[Any, Any]:
+        return target(variables, *args, **kwargs), None
+
+    def accepted_keywords(self, target: Any) -> set[str] | None:
+        return keywords_of(target)
 
     def parameter_counts(self, variables: Any) -> dict[str, int]:
         flat = {}
