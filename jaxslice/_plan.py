@@ -147,7 +147,9 @@ def port_value_tree(graph: Graph, port: Port) -> Any:
     return tuple(trees)
 
 
-def plan(graph: Graph, resolver: Resolver, start: Any, end: Any, mutable: Any = False) -> Plan:
+def plan(
+    graph: Graph, resolver: Resolver, start: Any, end: Any, mutable: Any = False, owner_offset: int = 1
+) -> Plan:
     specs = _normalise_starts(start)
     if specs is None:
         starts = None
@@ -183,7 +185,7 @@ def plan(graph: Graph, resolver: Resolver, start: Any, end: Any, mutable: Any = 
         _raise_missing(graph, program, input_ids, output_ids, starts, end_ports)
     state_pairs: list[tuple[tuple[Any, ...], int]] = []
     if mutable:
-        state_pairs = _slice_state(graph, program, result, set(input_ids), output_ids, mutable)
+        state_pairs = _slice_state(graph, program, result, set(input_ids), output_ids, mutable, owner_offset)
         if state_pairs:
             result = _cut.cut(
                 program, graph.producer, set(input_ids), graph.is_free, output_ids + tuple(v for _, v in state_pairs)
@@ -211,7 +213,13 @@ def _key(entry: Any) -> str:
 
 
 def _slice_state(
-    graph: Graph, program: Any, result: _cut.Cut, input_ids: set[int], output_ids: tuple[int, ...], mutable: Any
+    graph: Graph,
+    program: Any,
+    result: _cut.Cut,
+    input_ids: set[int],
+    output_ids: tuple[int, ...],
+    mutable: Any,
+    offset: int,
 ) -> list[tuple[tuple[Any, ...], int]]:
     """The updated state entries that belong to the slice.
 
@@ -232,13 +240,16 @@ def _slice_state(
         if any(any(i in in_cut for i in range(c.start, c.stop)) for c in calls)
     }
     chosen = []
+    variable_set = graph.variable_set
     for path, vid in zip(graph.state_paths, graph.state_ids, strict=True):
         keys = tuple(_key(k) for k in path)
         if not keys or (wanted is not None and keys[0] not in wanted):
             continue
-        owner = max((m for m in module_calls if keys[1 : 1 + len(m)] == m), key=len, default=None)
+        owner = max((m for m in module_calls if keys[offset : offset + len(m)] == m), key=len, default=None)
         if owner is None or owner not in participating:
             continue
+        if offset == 0 and vid in variable_set:
+            continue  # unchanged: nothing to write back (NNX)
         if _cut.cut(program, graph.producer, input_ids, graph.is_free, [vid]).missing:
             continue  # its final value comes from a call outside the slice
         chosen.append((path, vid))

@@ -8,13 +8,14 @@ from . import _compat, _trace
 from ._sliced import Sliced
 
 
-def slice(target: Any, *args: Any, start: Any = None, end: Any = None, **kwargs: Any) -> Sliced:  # noqa: A001
+def slice(target: Any, *args: Any, start: Any = None, end: Any = None, **kwargs: Any) -> Any:  # noqa: A001
     """The sub-network between named boundaries, as a compiled, trainable function.
 
     Args:
-      target: a Flax linen module, or a plain function ``fn(variables, *inputs)``.
+      target: a Flax linen module, a Flax NNX module, or a plain function
+        ``fn(variables, *inputs)``.
       *args: what the target is called with: ``variables, *inputs`` for linen and plain
-        functions. The sample inputs fix dtypes and non-batch shapes.
+        functions, ``*inputs`` for NNX. The sample inputs fix dtypes and non-batch shapes.
       start: where the slice begins: ``None`` (the model's inputs), a boundary name, or a
         list of names (and ``None``). A name means the module's input (the slice includes
         that module); ``name:output`` means its output.
@@ -25,8 +26,10 @@ def slice(target: Any, *args: Any, start: Any = None, end: Any = None, **kwargs:
         (e.g. ``train=False``), ``rngs`` are random keys.
 
     Returns:
-      A `js.Sliced`: ``sub(*inputs)`` runs the slice with ``sub.variables``; each start
-      contributes its module's array arguments (an ``:output`` port, the whole output).
+      For linen and plain functions a `js.Sliced`: ``sub(*inputs)`` runs the slice with
+      ``sub.variables``; each start contributes its module's array arguments (an
+      ``:output`` port, the whole output). For NNX a `js.SlicedModule`, an `nnx.Module`
+      that shares the model's variables.
 
     Raises:
       SliceError: for unknown or ambiguous names, a slice that needs a value before its
@@ -43,7 +46,12 @@ def slice(target: Any, *args: Any, start: Any = None, end: Any = None, **kwargs:
     ['layers_2']
     """
     traced = _trace.trace(target, args, kwargs)
-    return Sliced(traced, start, end)
+    engine = Sliced(traced, start, end)
+    if traced.adapter.kind == "nnx":
+        from ._nnx_module import SlicedModule
+
+        return SlicedModule(target, engine)
+    return engine
 
 
 class Sliceable:
@@ -56,7 +64,7 @@ class Sliceable:
     ...         return nn.Dense(2, name="head")(nn.Dense(4, name="body")(x))
     """
 
-    def slice(self, *args: Any, start: Any = None, end: Any = None, **kwargs: Any) -> Sliced:
+    def slice(self, *args: Any, start: Any = None, end: Any = None, **kwargs: Any) -> Any:
         return slice(self, *args, start=start, end=end, **kwargs)
 
 

@@ -37,7 +37,9 @@ class _Entry:
 
 def _make_entry(traced: Traced, start: Any, end: Any) -> _Entry:
     graph = traced.graph
-    p = _plan.plan(graph, Resolver(graph), start, end, traced.split.mutable)
+    p = _plan.plan(
+        graph, Resolver(graph), start, end, traced.split.mutable, traced.adapter.state_owner_offset
+    )
     fn = _interpret.emit(graph, p.cut.eqns, [p.variable_ids, p.rng_ids, p.input_ids], p.output_ids + p.state_ids)
     return _Entry(traced, p, fn, jax.jit(fn))
 
@@ -73,9 +75,14 @@ class Sliced:
         entry = _make_entry(traced, start, end)
         self._base = entry
         split = traced.split
-        key = self._signature(self._traced_input_avals(entry), split.rngs, split.mode, split.mutable)
+        key = (
+            self._signature(self._traced_input_avals(entry), split.rngs, split.mode, split.mutable),
+            traced.adapter.structure_key(traced.target),
+        )
         self._entries: dict[Any, _Entry] = {key: entry}
-        self._variables = prune(split.variables, set(entry.plan.variable_paths))
+        self._variables = (
+            prune(split.variables, set(entry.plan.variable_paths)) if traced.adapter.kind != "nnx" else None
+        )
         self._variable_index: dict[Any, list[int]] = {}
 
     # ------------------------------------------------------------------ public
@@ -122,18 +129,7 @@ class Sliced:
                 "A plain function takes random keys and state as ordinary inputs; `rngs` and "
                 "`mutable` apply to Flax models only."
             )
-        keyword_names = {a.keyword for a in base.plan.arguments if a.keyword is not None}
-        kw_inputs = {k: v for k, v in kwargs.items() if k in keyword_names}
-        new_mode = {k: v for k, v in kwargs.items() if k not in keyword_names}
-        self._check_mode(new_mode)
-        mode = {**base.traced.split.mode, **new_mode}
-        leaves = self._input_leaves(base.plan, inputs, kw_inputs)
-        avals = tuple(_trace.abstract(x) for x in leaves)
-        key = self._signature(avals, rngs, mode, mutable)
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = self._retrace(avals, inputs, kw_inputs, mode, rngs, mutable)
-            self._entries[key] = entry
+        entry, leaves = self._lookup(inputs, kwargs, rngs, mutable)
         var_leaves = self._variable_leaves(entry.plan, variables)
         rng_leaves = self._rng_leaves(entry, rngs)
         outs = entry.jitted(var_leaves, rng_leaves, leaves)
@@ -142,6 +138,26 @@ class Sliced:
         if not mutable:
             return result
         return result, _nest(entry.plan.state_paths, outs[n:])
+
+    def _lookup(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], rngs: Any, mutable: Any
+    ) -> tuple[_Entry, list[Any]]:
+        """The compiled entry for these arguments (tracing it if new), and the input leaves."""
+        base = self._base
+        keyword_names = {a.keyword for a in base.plan.arguments if a.keyword is not None}
+        kw_inputs = {k: v for k, v in kwargs.items() if k in keyword_names}
+        new_mode = {k: v for k, v in kwargs.items() if k not in keyword_names}
+        self._check_mode(new_mode)
+        mode = {**base.traced.split.mode, **new_mode}
+        leaves = self._input_leaves(base.plan, inputs, kw_inputs)
+        avals = tuple(_trace.abstract(x) for x in leaves)
+        traced = base.traced
+        key = self._signature(avals, rngs, mode, mutable), traced.adapter.structure_key(traced.target)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._retrace(avals, inputs, kw_inputs, mode, rngs, mutable)
+            self._entries[key] = entry
+        return entry, leaves
 
     def merge(self, full_variables: Any, new_variables: Any) -> Any:
         """The model's variables with the slice's entries replaced by `new_variables`.
@@ -239,7 +255,7 @@ class Sliced:
         mutable: Any,
     ) -> _Entry:
         base = self._base
-        split = base.traced.split
+        split = base.traced.adapter.resplit(base.traced.target, base.traced.split)
         expected = self._traced_input_avals(base)
         rngs = jax.tree_util.tree_map(_trace.abstract, rngs)
         if base.plan.starts is None:

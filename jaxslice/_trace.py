@@ -62,7 +62,7 @@ def trace(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
 
 
 def trace_split(adapter: Adapter, target: Any, split: Split) -> Traced:
-    var_flat, var_tree = jax.tree_util.tree_flatten_with_path(split.variables)
+    var_flat, rebuild_variables = adapter.flatten_variables(split.variables)
     var_mask = [is_traced_leaf(x) for _, x in var_flat]
     var_arrays = [x for (_, x), m in zip(var_flat, var_mask, strict=True) if m]
     var_statics = [x for (_, x), m in zip(var_flat, var_mask, strict=True) if not m]
@@ -76,7 +76,7 @@ def trace_split(adapter: Adapter, target: Any, split: Split) -> Traced:
     out_info: dict[str, Any] = {}
 
     def program(var_a: list[Any], rng_a: list[Any], in_a: list[Any]) -> tuple[list[Any], list[Any]]:
-        variables = jax.tree_util.tree_unflatten(var_tree, _merge(var_mask, var_a, var_statics))
+        variables = rebuild_variables(_merge(var_mask, var_a, var_statics))
         rngs = jax.tree_util.tree_unflatten(rng_tree, _merge(rng_mask, rng_a, rng_statics))
         call_args, call_kwargs = jax.tree_util.tree_unflatten(in_tree, _merge(in_mask, in_a, in_statics))
         with _markers.marking():
@@ -87,7 +87,7 @@ def trace_split(adapter: Adapter, target: Any, split: Split) -> Traced:
         mask = [is_traced_leaf(x) for x in leaves]
         out_info["tree"] = treedef
         out_info["statics"] = {i: x for i, (x, m) in enumerate(zip(leaves, mask, strict=True)) if not m}
-        state_flat = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0] if is_traced_leaf(x)]
+        state_flat = [(p, x) for p, x in adapter.flatten_state(state) if is_traced_leaf(x)]
         out_info["state_paths"] = [p for p, _ in state_flat]
         return [x for x, m in zip(leaves, mask, strict=True) if m], [x for _, x in state_flat]
 

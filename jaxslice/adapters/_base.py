@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
+
+import jax
 
 
 @dataclasses.dataclass
@@ -41,6 +44,26 @@ class Adapter:
         """Keyword arguments the model accepts, or None if it takes any."""
         return None
 
+    def flatten_variables(self, variables: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]]:
+        """``[(path, leaf)]`` of the variables, and a function rebuilding them from leaves."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
+        return flat, lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def flatten_state(self, state: Any) -> list[tuple[Any, Any]]:
+        """``[(path, leaf)]`` of the updated state returned by `call`."""
+        return jax.tree_util.tree_flatten_with_path(state)[0]
+
+    def resplit(self, target: Any, split: Split) -> Split:
+        """A split that reflects the target's current structure (for re-tracing)."""
+        return split
+
+    def structure_key(self, target: Any) -> Any:
+        """A hashable key of what, besides arguments, decides the traced program."""
+        return None
+
+    #: where a state entry's module path starts in its path (after the collection name)
+    state_owner_offset: int = 1
+
     def parameter_counts(self, variables: Any) -> dict[str, int]:
         """Parameter count per module path (`/`-joined), including submodules."""
         return {}
@@ -66,7 +89,6 @@ def keywords_of(fn: Any) -> set[str] | None:
 def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Separates keyword inputs holding arrays from mode keywords (flags, strings)."""
     from .._markers import is_array
-    import jax
 
     inputs, mode = {}, {}
     for k, v in kwargs.items():

@@ -1,10 +1,51 @@
-"""Flax NNX models: recognised so they are never mistaken for plain functions."""
+"""Flax NNX: `model(*inputs)`, with the model's variables inside it.
+
+To trace, the model is split into a graph definition and its variables (`nnx.split`);
+the traced program merges them back into a fresh copy and calls it, and returns the
+copy's variables afterwards as updated state (batch statistics, RNG counters).
+
+Submodule calls are marked by wrapping ``__call__`` on the classes of the copy's
+submodules for the duration of the call only; the wrapper marks a call when its ``self``
+is one of the copy's submodules (known by identity, with its attribute path) and passes
+everything else through. The classes are restored in a ``finally``, also when tracing
+fails. Names are attribute paths joined by ``/`` (``blocks/0/linear``); only ``__call__``
+is marked.
+
+Sharp edge: a model that changes its Python attributes while it runs (a counter kept in
+a plain attribute, say) cannot be replayed by a slice, so tracing checks that the graph
+definition is the same after the call and raises otherwise.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._errors import UnsupportedTargetError
+from .. import _markers
+from .._errors import SliceError
+from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
+
+_PATHS: contextvars.ContextVar[dict[int, tuple[str, ...]] | None] = contextvars.ContextVar(
+    "jaxslice_nnx_paths", default=None
+)
+_IN_CALL: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("jaxslice_nnx_in_call", default=frozenset())
+
+
+class AttributeMutationError(SliceError):
+    """An NNX model changed a Python attribute while it was being traced.
+
+    Reproducer: a module whose ``__call__`` does ``self.calls += 1`` on a plain int.
+    """
+
+    TEMPLATE = (
+        "The model changed its Python attributes while it ran ({detail}). A slice re-runs only "
+        "part of the model and cannot replay such changes, so its results would drift from the "
+        "model's.\nKeep values that change in `nnx.Variable`s (e.g. `self.calls = "
+        "nnx.Variable(jnp.array(0))`), which jaxslice tracks as state."
+    )
 
 
 def is_nnx(target: Any) -> bool:
@@ -15,12 +56,172 @@ def is_nnx(target: Any) -> bool:
     return isinstance(target, nnx.Module)
 
 
-class NNXAdapter:
-    """Placeholder that refuses NNX models with a clear message until they are supported."""
+def get_value(variable: Any) -> Any:
+    return variable.get_value() if hasattr(variable, "get_value") else variable.value
 
-    def __init__(self) -> None:
-        raise UnsupportedTargetError(
-            "Flax NNX modules are not supported by this version of jaxslice yet. "
-            "Slice the equivalent linen model, or a plain function `fn(state, x)` built with "
-            "`nnx.split`/`nnx.merge` and `js.mark`."
+
+def set_value(variable: Any, value: Any) -> None:
+    if hasattr(variable, "set_value"):
+        variable.set_value(value)
+    else:  # pragma: no cover - older flax
+        variable.value = value
+
+
+def module_paths(model: Any) -> dict[int, tuple[str, ...]]:
+    """``id(submodule) -> path`` for every module in `model` (first path of shared ones)."""
+    from flax import nnx
+
+    paths: dict[int, tuple[str, ...]] = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and id(node) not in paths:
+            paths[id(node)] = tuple(str(p) for p in path)
+    return paths
+
+
+def _wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        paths = _PATHS.get()
+        path = None if paths is None else paths.get(id(self))
+        busy = _IN_CALL.get()
+        if not path or id(self) in busy:  # the root, a foreign module, or a super() call
+            return original(self, *args, **kwargs)
+        token = _IN_CALL.set(busy | {id(self)})
+        try:
+            return _markers.call_marked(
+                functools.partial(original, self),
+                args,
+                kwargs,
+                kind="nnx",
+                path=path,
+                method="__call__",
+                module_type=type(self).__name__,
+            )
+        finally:
+            _IN_CALL.reset(token)
+
+    __call__.__jaxslice_wrapped__ = True  # type: ignore[attr-defined]
+    return __call__
+
+
+@contextlib.contextmanager
+def marked_calls(model: Any) -> Iterator[None]:
+    """Marks the calls of `model`'s submodules inside the block, then restores classes."""
+    from flax import nnx
+
+    paths = module_paths(model)
+    classes = {type(node) for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
+    patched: list[tuple[type, Any]] = []
+    token = _PATHS.set(paths)
+    try:
+        for cls in classes:
+            current = cls.__dict__.get("__call__")
+            if current is None or getattr(current, "__jaxslice_wrapped__", False):
+                if current is None and callable(getattr(cls, "__call__", None)):
+                    inherited = cls.__call__
+                    if getattr(inherited, "__jaxslice_wrapped__", False):
+                        continue  # a patched base class already marks it
+                    patched.append((cls, None))
+                    cls.__call__ = _wrapper(inherited)
+                continue
+            patched.append((cls, current))
+            cls.__call__ = _wrapper(current)
+        yield
+    finally:
+        for cls, original in reversed(patched):
+            if original is None:
+                del cls.__call__
+            else:
+                cls.__call__ = original
+        _PATHS.reset(token)
+
+
+class NNXAdapter(Adapter):
+    kind = "nnx"
+    state_owner_offset = 0
+
+    def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
+        from flax import nnx
+
+        inputs, mode = split_kwargs(kwargs)
+        graphdef, state = nnx.split(target)
+        flat = list(state.flat_state())
+        variables = _NNXVariables(graphdef, flat)
+        return Split(variables=variables, rngs=None, args=tuple(args), kwargs=inputs, mode=mode, mutable=True)
+
+    def resplit(self, target: Any, split: Split) -> Split:
+        from flax import nnx
+
+        graphdef, state = nnx.split(target)
+        return Split(
+            variables=_NNXVariables(graphdef, list(state.flat_state())),
+            rngs=None,
+            args=split.args,
+            kwargs=split.kwargs,
+            mode=split.mode,
+            mutable=True,
         )
+
+    def structure_key(self, target: Any) -> Any:
+        from flax import nnx
+
+        return nnx.graphdef(target)
+
+    def flatten_variables(self, variables: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]]:
+        flat = [(tuple(path), get_value(v)) for path, v in variables.flat]
+        return flat, variables.rebuild
+
+    def flatten_state(self, state: Any) -> list[tuple[Any, Any]]:
+        return state
+
+    def call(
+        self, target: Any, variables: Any, rngs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mutable: Any
+    ) -> tuple[Any, Any]:
+        from flax import nnx
+
+        model, graphdef = variables
+        with marked_calls(model):
+            out = model(*args, **kwargs)
+        after, state = nnx.split(model)
+        if after != graphdef:
+            raise AttributeMutationError(AttributeMutationError.TEMPLATE.format(detail=_diff(graphdef, after)))
+        return out, [(tuple(path), get_value(v)) for path, v in state.flat_state()]
+
+    def accepted_keywords(self, target: Any) -> set[str] | None:
+        names = keywords_of(type(target).__call__)
+        return None if names is None else names - {"self"}
+
+    def parameter_counts(self, variables: Any) -> dict[str, int]:
+        from flax import nnx
+
+        flat = {}
+        for path, v in variables.flat:
+            if isinstance(v, nnx.Param) or (hasattr(v, "type") and issubclass(v.type, nnx.Param)):
+                flat[tuple(str(p) for p in path)] = int(getattr(get_value(v), "size", 1))
+        counts = count_by_prefix({k[:-1]: 0 for k in flat})
+        for key, size in count_by_prefix(flat).items():
+            counts[key] = size
+        return counts
+
+
+def _diff(before: Any, after: Any) -> str:
+    a, b = str(before).splitlines(), str(after).splitlines()
+    changed = [y.strip() for x, y in zip(a, b, strict=False) if x != y]
+    return "; ".join(changed[:3]) or "its graph definition differs"
+
+
+class _NNXVariables:
+    """An NNX model's variables as a flat list of ``(path, variable)``, plus how to rebuild it."""
+
+    def __init__(self, graphdef: Any, flat: list[tuple[Any, Any]]):
+        self.graphdef = graphdef
+        self.flat = flat
+
+    def rebuild(self, leaves: list[Any]) -> tuple[Any, Any]:
+        from flax import nnx
+
+        pairs = []
+        for (path, var), value in zip(self.flat, leaves, strict=True):
+            pairs.append((path, var.replace(value)))
+        state = nnx.State.from_flat_path(pairs)
+        return nnx.merge(self.graphdef, state), self.graphdef
