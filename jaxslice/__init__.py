@@ -11,11 +11,15 @@ from ._errors import SliceError as SliceError
 from ._errors import UnknownBoundaryError as UnknownBoundaryError
 from ._errors import UnsupportedTargetError as UnsupportedTargetError
 from ._errors import VariablesMismatchError as VariablesMismatchError
+from ._intermediates import intermediates as intermediates
+from ._interpret import Equation as Equation
+from ._interpret import Interpreter as Interpreter
 from ._listing import Boundary as Boundary
 from ._listing import BoundaryTable as BoundaryTable
 from ._listing import boundaries as boundaries
 from ._slice import Sliceable as Sliceable
 from ._slice import slice as slice  # noqa: A004
+from ._nnx_module import SlicedModule as SlicedModule
 from ._sliced import Sliced as Sliced
 from ._version import __version__ as __version__
 from .adapters._plain import mark as mark
@@ -26,18 +30,22 @@ __all__ = [
     "BoundaryInLoopError",
     "BoundaryTable",
     "DisconnectedError",
+    "Equation",
     "InputMismatchError",
+    "Interpreter",
     "InvalidSpecError",
     "MissingInputError",
     "ModelTraceError",
     "SliceError",
     "Sliceable",
     "Sliced",
+    "SlicedModule",
     "UnknownBoundaryError",
     "UnsupportedTargetError",
     "VariablesMismatchError",
     "__version__",
     "boundaries",
+    "intermediates",
     "mark",
     "slice",
 ]

@@ -170,6 +170,15 @@ def eqn_scopes(eqn: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
+def source_line(eqn: Any) -> str | None:
+    """``file:line`` of the user code that produced an equation, when JAX recorded it."""
+    try:
+        frame = _siu.user_frame(eqn.source_info.traceback)
+    except Exception:  # pragma: no cover - best effort; the traceback format is internal
+        return None
+    return f"{frame.file_name}:{frame.start_line}" if frame is not None else None
+
+
 # --------------------------------------------------------------------------- evaluation
 
 

@@ -76,6 +76,10 @@ class Call:
     loop: str | None = None  # primitive of the enclosing loop, if inside one
     count: int = 1  # how many calls share `name`
     path: tuple[str, ...] = ()
+    # Order of the call's first input marker and last output marker among all markers;
+    # orders events that share an equation position. None for name-scope regions.
+    in_seq: float = float("inf")
+    out_seq: float = float("-inf")
 
     @property
     def qualname(self) -> str:
@@ -306,7 +310,7 @@ def _calls_from_markers(occurrences: list[_Occurrence], num_eqns: int) -> list[C
     calls: list[Call] = []
     open_by_record: dict[int, tuple[Call, _markers.CallRecord, dict[int, int | None], dict[int, int | None]]] = {}
     pending: list[tuple[Call, _markers.CallRecord, dict[int, int | None], dict[int, int | None]]] = []
-    for occ in occurrences:
+    for seq, occ in enumerate(occurrences):
         record = _markers.lookup(occ.record_id)
         state = open_by_record.get(occ.record_id)
         if occ.side == _markers.INPUT:
@@ -326,6 +330,7 @@ def _calls_from_markers(occurrences: list[_Occurrence], num_eqns: int) -> list[C
                     stop=occ.pos,
                     loop=occ.loop,
                     path=record.path,
+                    in_seq=seq,
                 )
                 state = (call, record, {}, {})
                 open_by_record[occ.record_id] = state
@@ -337,6 +342,7 @@ def _calls_from_markers(occurrences: list[_Occurrence], num_eqns: int) -> list[C
                 continue
             state[3][occ.leaf] = occ.vid
             state[0].stop = occ.pos
+            state[0].out_seq = seq
     for state in pending:
         _finish(*state)
     return calls

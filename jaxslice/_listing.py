@@ -130,10 +130,10 @@ def boundaries(target: Any, *args: Any, **kwargs: Any) -> BoundaryTable:
     >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)])
     >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
     >>> print(js.boundaries(model, variables, jnp.ones((1, 3))))
-    name      type   call  inputs          outputs         params
-    --------  -----  ----  --------------  --------------  ------
-    layers_0  Dense  0/1   float32[1, 3]   float32[1, 8]   32
-    layers_2  Dense  0/1   float32[1, 8]   float32[1, 2]   18
+    name      type   call  inputs         outputs        params
+    --------  -----  ----  -------------  -------------  ------
+    layers_0  Dense  0/1   float32[1, 3]  float32[1, 8]  32
+    layers_2  Dense  0/1   float32[1, 8]  float32[1, 2]  18
     """
     return describe(_trace.trace(target, args, kwargs))
 

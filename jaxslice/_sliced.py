@@ -159,6 +159,13 @@ class Sliced:
             self._entries[key] = entry
         return entry, leaves
 
+    def _apply_full(self, variables: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rngs: Any) -> Any:
+        """Runs a slice from the model's inputs given the model's full variables."""
+        entry, leaves = self._lookup(tuple(a for a in args), kwargs, rngs, False)
+        var_leaves = self._variable_leaves(entry.plan, variables, strict=False)
+        outs = entry.jitted(var_leaves, self._rng_leaves(entry, rngs), leaves)
+        return _assemble(entry.plan.output_trees, outs[: len(entry.plan.output_ids)])
+
     def merge(self, full_variables: Any, new_variables: Any) -> Any:
         """The model's variables with the slice's entries replaced by `new_variables`.
 
@@ -300,21 +307,21 @@ class Sliced:
 
     # ------------------------------------------------------------------ variables
 
-    def _variable_leaves(self, plan: _plan.Plan, variables: Any) -> list[Any]:
+    def _variable_leaves(self, plan: _plan.Plan, variables: Any, strict: bool = True) -> list[Any]:
         leaves, treedef = jax.tree_util.tree_flatten(variables)
-        cache_key = (treedef, plan.variable_paths)
+        cache_key = (treedef, plan.variable_paths, strict)
         index = self._variable_index.get(cache_key)
         if index is None:
-            index = self._index_variables(plan, variables)
+            index = self._index_variables(plan, variables, strict)
             self._variable_index[cache_key] = index
         return [leaves[i] for i in index]
 
-    def _index_variables(self, plan: _plan.Plan, variables: Any) -> list[int]:
+    def _index_variables(self, plan: _plan.Plan, variables: Any, strict: bool = True) -> list[int]:
         flat = jax.tree_util.tree_flatten_with_path(variables)[0]
         position = {p: i for i, (p, x) in enumerate(flat) if _trace.is_traced_leaf(x)}
         allowed = {p for p, _ in jax.tree_util.tree_flatten_with_path(self._variables)[0]}
         missing = [p for p in plan.variable_paths if p not in position]
-        extra = [p for p in position if p not in allowed]
+        extra = [p for p in position if p not in allowed] if strict else []
         if missing or extra:
             lines = []
             if missing:
