@@ -1,5 +1,7 @@
 """jaxslice: slice, inspect and edit JAX and Flax models at the jaxpr level."""
 
+from . import coverage as coverage
+from ._activations import ActivationStats as ActivationStats
 from ._errors import AmbiguousBoundaryError as AmbiguousBoundaryError
 from ._errors import BoundaryInLoopError as BoundaryInLoopError
 from ._errors import DisconnectedError as DisconnectedError
@@ -25,6 +27,7 @@ from ._version import __version__ as __version__
 from .adapters._plain import mark as mark
 
 __all__ = [
+    "ActivationStats",
     "AmbiguousBoundaryError",
     "Boundary",
     "BoundaryInLoopError",
@@ -45,6 +48,7 @@ __all__ = [
     "VariablesMismatchError",
     "__version__",
     "boundaries",
+    "coverage",
     "intermediates",
     "mark",
     "slice",

@@ -105,8 +105,43 @@ def _normalise_starts(start: Any) -> list[Any] | None:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class ActivationOf:
+    """An end at the activation applied to a module's output (used by coverage)."""
+
+    name: str
+
+
+def activation_of(graph: Graph, vid: int) -> int:
+    """The value an activation function makes of `vid`, or `vid` if none follows.
+
+    The activation is the first equation that reads `vid` and nothing else computed
+    (constants aside) and writes one value of the same shape: ``relu``, ``tanh``, ...
+    """
+    aval = graph.avals[vid]
+    start = graph.producer.get(vid, -1) + 1
+    for eqn in graph.eqns[start:]:
+        if vid not in eqn.ins:
+            continue
+        others = [v for v in eqn.ins if v != vid]
+        if len(eqn.outs) == 1 and all(graph.is_free(v) for v in others):
+            out = graph.avals[eqn.outs[0]]
+            if getattr(out, "shape", None) == aval.shape and getattr(out, "dtype", None) == aval.dtype:
+                return eqn.outs[0]
+        return vid
+    return vid
+
+
 def resolve_ends(resolver: Resolver, graph: Graph, end: Any) -> Any:
     def one(spec: Any) -> Port:
+        if isinstance(spec, ActivationOf):
+            call, _ = resolver.resolve(spec.name, OUTPUT)
+            ids = [s.id for s in call.out_slots]
+            if len(ids) != 1 or ids[0] is None:
+                raise InvalidSpecError(f"{spec.name!r} does not return a single array, so it has no activation.")
+            act = activation_of(graph, ids[0])
+            synthetic = dataclasses.replace(call, out_tree=jax.tree_util.tree_structure(0), out_slots=[Slot(act)])
+            return Port(spec.name, synthetic, OUTPUT)
         if spec is None:
             out_call = dataclasses.replace(
                 graph.model_input_call(),
@@ -119,7 +154,7 @@ def resolve_ends(resolver: Resolver, graph: Graph, end: Any) -> Any:
         call, side = resolver.resolve(spec, OUTPUT)
         return Port(spec, call, side)
 
-    if end is None or isinstance(end, str):
+    if end is None or isinstance(end, (str, ActivationOf)):
         return one(end)
     if isinstance(end, (list, tuple)):
         if not end:

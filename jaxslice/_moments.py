@@ -1,0 +1,66 @@
+"""Streaming statistics that merge exactly across batches.
+
+Moments are kept as (count, mean, M2) and merged with Chan et al.'s parallel update, so
+updating with two batches equals updating with their concatenation (up to rounding) and
+the order of batches does not matter. Minima, maxima and counts of zeros merge exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+
+
+class Moments(NamedTuple):
+    count: Any  # scalar: number of samples merged
+    mean: Any
+    m2: Any  # sum of squared deviations from the mean
+    low: Any
+    high: Any
+    zeros: Any  # number of samples exactly equal to 0
+
+    @staticmethod
+    def empty(shape: tuple[int, ...]) -> Moments:
+        return Moments(
+            jnp.zeros((), jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.full(shape, jnp.inf, jnp.float32),
+            jnp.full(shape, -jnp.inf, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+        )
+
+    @staticmethod
+    def of(samples: Any) -> Moments:
+        """Moments of `samples` over axis 0."""
+        x = samples.astype(jnp.float32)
+        n = jnp.asarray(x.shape[0], jnp.float32)
+        mean = jnp.mean(x, axis=0)
+        return Moments(
+            n,
+            mean,
+            jnp.sum((x - mean) ** 2, axis=0),
+            jnp.min(x, axis=0),
+            jnp.max(x, axis=0),
+            jnp.sum(x == 0, axis=0).astype(jnp.float32),
+        )
+
+    def merge(self, other: Moments) -> Moments:
+        n = self.count + other.count
+        safe = jnp.where(n > 0, n, 1.0)
+        delta = other.mean - self.mean
+        mean = self.mean + delta * other.count / safe
+        m2 = self.m2 + other.m2 + delta**2 * self.count * other.count / safe
+        return Moments(
+            n,
+            mean,
+            m2,
+            jnp.minimum(self.low, other.low),
+            jnp.maximum(self.high, other.high),
+            self.zeros + other.zeros,
+        )
+
+    @property
+    def std(self) -> Any:
+        return jnp.sqrt(self.m2 / jnp.where(self.count > 0, self.count, 1.0))

@@ -1,0 +1,193 @@
+"""`Tracker`: structural coverage of chosen layers over a test set, compiled.
+
+Neurons: a layer's output of shape (batch, ..., C) gives, per input, C neuron values
+(``granularity="channel"``: the mean over all axes but batch and the last) or one value
+per element (``"element"``). ``position="activation"`` observes the activation function
+applied to a layer's output (the first equation that maps it elementwise, e.g. ``relu``)
+instead of the output itself.
+
+Everything per batch (the model up to the last chosen layer, the neuron reduction and
+every criterion's update) is one jit-compiled function; state is OR-ed or merged, so
+batches can come in any order and any size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+
+from .. import _compat
+from .._errors import InvalidSpecError, SliceError
+from .._moments import Moments
+from .._observe import GRANULARITIES, Observer, neurons, scaled
+from ._criteria import KMNC, NBC, NC, SNAC, TKNC, Criterion
+
+_PROFILE, _UPDATE = 0, 1
+
+PROFILE_NEEDED = (
+    "{names} need a profile of the neurons' ranges on training data before use.\n"
+    "Call `tracker.profile(train_batches)` first (any iterable of batches)."
+)
+
+
+class CoverageResult(dict):
+    """``{criterion: {"total": float, "layers": {key: float}}}``; prints as a table."""
+
+    def __str__(self) -> str:
+        rows = [("criterion", "layer", "coverage")]
+        for crit, res in self.items():
+            rows.append((crit, "(total)", f"{res['total']:.4f}"))
+            rows += [("", key, f"{value:.4f}") for key, value in res["layers"].items()]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+class Tracker:
+    """Structural test coverage of a network over the batches it is updated with.
+
+    Args:
+      target, *args, **kwargs: the model and sample inputs, as for `js.slice`
+        (``model, variables, x`` for linen, ``fn, params, x`` for plain functions,
+        ``model, x`` for NNX). Keywords such as ``train=False`` fix the mode.
+      criteria: criterion objects; default NC(0.5), KMNC(10), NBC, SNAC, TKNC(2).
+      layers: boundary names to observe; default every module with parameters of its own.
+      granularity: ``"channel"`` or ``"element"``.
+      position: ``"output"`` (the layer's output) or ``"activation"``.
+
+    Raises:
+      SliceError: unknown layers (with suggestions), bad options, criteria used before
+        `profile` when they need one, batches that do not fit the model.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxslice as js
+    >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(4)])
+    >>> x = jax.random.normal(jax.random.key(0), (16, 3))
+    >>> variables = model.init(jax.random.key(1), x)
+    >>> t = js.coverage.Tracker(model, variables, x, criteria=[js.coverage.NC(0.0), js.coverage.KMNC(4)])
+    >>> t.profile([x])
+    >>> t.update(x)
+    >>> r = t.result()
+    >>> sorted(r), sorted(r["NC"]["layers"])
+    (['KMNC', 'NC'], ['layers_0', 'layers_2'])
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        *args: Any,
+        criteria: Sequence[Criterion] | None = None,
+        layers: Sequence[str] | None = None,
+        granularity: str = "channel",
+        position: str = "output",
+        **kwargs: Any,
+    ):
+        if granularity not in GRANULARITIES:
+            raise InvalidSpecError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}.")
+        if criteria is None:
+            criteria = [NC(0.5), KMNC(10), NBC(), SNAC(), TKNC(2)]
+        criteria = list(criteria)
+        bad = [c for c in criteria if not isinstance(c, Criterion)]
+        if not criteria or bad:
+            raise InvalidSpecError(
+                f"`criteria` must be a non-empty list of criteria such as js.coverage.NC(0.5), got {bad or criteria!r}."
+            )
+        self.criteria = criteria
+        self.granularity = granularity
+        self._observer = Observer(target, args, kwargs, layers, position)
+        self.layers = self._observer.layers
+        self.sizes = [int(neurons(jax.numpy.zeros(s), granularity).shape[1]) for s in self._observer.shapes]
+        self._names = _names(criteria)
+        self._profile: list[Moments] | None = None
+        self.reset()
+
+    # ------------------------------------------------------------------ public
+
+    def reset(self) -> None:
+        """Forgets every covered neuron (the profile is kept)."""
+        self._state = [c.init(self.sizes) for c in self.criteria]
+
+    @property
+    def profile_stats(self) -> dict[str, dict[str, Any]] | None:
+        """Per-layer neuron statistics of the profile: low, high, mean, std (or None)."""
+        if self._profile is None:
+            return None
+        return {
+            name: {"low": m.low, "high": m.high, "mean": m.mean, "std": m.std}
+            for name, m in zip(self.layers, self._profile, strict=True)
+        }
+
+    def profile(self, batches: Iterable[Any]) -> None:
+        """Streams training batches to record each neuron's [low, high], mean and std."""
+        acc = [Moments.empty((n,)) for n in self.sizes] if self._profile is None else self._profile
+        seen = False
+        for batch in batches:
+            acc = self._observer.run(_PROFILE, batch, self._profile_step, acc)
+            seen = True
+        if not seen:
+            raise InvalidSpecError("`profile` got no batches; pass an iterable of training batches.")
+        self._profile = acc
+
+    def update(self, batch: Any) -> None:
+        """Adds a batch of test inputs (an array, or a tuple of the model's inputs)."""
+        self._check_profile()
+        self._state = self._observer.run(_UPDATE, batch, self._update_step, self._state, self._profile)
+
+    def result(self) -> CoverageResult:
+        """Coverage per criterion: the total over all neurons, and per layer."""
+        self._check_profile()
+        out = CoverageResult()
+        layers = self.layers
+        for name, crit, state in zip(self._names, self.criteria, self._state, strict=True):
+            counts = [(int(c), int(n)) for c, n in crit.counts(state)]
+            keys = crit.keys(layers)
+            covered = sum(c for c, _ in counts)
+            total = sum(n for _, n in counts)
+            out[name] = {
+                "total": covered / total if total else 0.0,
+                "layers": {k: (c / n if n else 0.0) for k, (c, n) in zip(keys, counts, strict=True)},
+            }
+        return out
+
+    def __repr__(self) -> str:
+        return f"Tracker(criteria={self._names}, layers={self.layers})"
+
+    # ------------------------------------------------------------------ steps
+
+    def _check_profile(self) -> None:
+        needing = [n for n, c in zip(self._names, self.criteria, strict=True) if c.needs_profile]
+        if needing and self._profile is None:
+            raise SliceError(PROFILE_NEEDED.format(names=", ".join(needing)))
+
+    def _profile_step(self, outputs: Any) -> Any:
+        granularity = self.granularity
+
+        def step(v: Any, r: Any, x: Any, acc: list[Moments]) -> list[Moments]:
+            outs = outputs(v, r, x)
+            return [m.merge(Moments.of(neurons(o, granularity))) for m, o in zip(acc, outs, strict=True)]
+
+        return step
+
+    def _update_step(self, outputs: Any) -> Any:
+        granularity = self.granularity
+        criteria = self.criteria
+        need_scaled = any(c.needs_scaled for c in criteria)
+
+        def step(v: Any, r: Any, x: Any, state: list[Any], profile: Any) -> list[Any]:
+            outs = outputs(v, r, x)
+            values = [neurons(o, granularity) for o in outs]
+            sc = [neurons(scaled(o), granularity) for o in outs] if need_scaled else None
+            return [c.update(s, values, sc, profile) for c, s in zip(criteria, state, strict=True)]
+
+        return step
+
+
+def _names(criteria: list[Criterion]) -> list[str]:
+    names = [c.name for c in criteria]
+    dup = {n for n in names if names.count(n) > 1}
+    return [f"{c.name}({', '.join(f'{k}={v}' for k, v in vars(c).items())})" if c.name in dup else c.name for c in criteria]
+
+
+_compat.register_frames_exclusion(__file__)
