@@ -2,6 +2,8 @@
 
 from . import coverage as coverage
 from ._activations import ActivationStats as ActivationStats
+from ._edit import Editor as Editor
+from ._edit import edit as edit
 from ._errors import AmbiguousBoundaryError as AmbiguousBoundaryError
 from ._errors import BoundaryInLoopError as BoundaryInLoopError
 from ._errors import DisconnectedError as DisconnectedError
@@ -33,6 +35,7 @@ __all__ = [
     "BoundaryInLoopError",
     "BoundaryTable",
     "DisconnectedError",
+    "Editor",
     "Equation",
     "InputMismatchError",
     "Interpreter",
@@ -49,6 +52,7 @@ __all__ = [
     "__version__",
     "boundaries",
     "coverage",
+    "edit",
     "intermediates",
     "mark",
     "slice",

@@ -126,6 +126,7 @@ class Interpreter:
         self._emitted[key] = value
 
     _emitted: dict[Any, Any] | None = None
+    _current_call: Any = None  # the graph call whose hook is running (for subclasses in jaxslice)
 
     def build(self, target: Any, *args: Any, jit: bool = True, **kwargs: Any) -> Callable[..., Any]:
         """An ordinary JAX function running `target` through this interpreter.
@@ -233,6 +234,7 @@ def _run(graph: Graph, interp: Interpreter, var_values: list[Any], rng_values: l
                 tree = _plan.port_value_tree(graph, port)
                 slots = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Slot))
                 value = _assemble(tree, [read(s.id, pos) for s in slots if s.id is not None])
+                interp._current_call = call
                 new = interp.boundary(call.qualname, side, value)
                 if new is value:
                     continue

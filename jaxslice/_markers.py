@@ -84,6 +84,24 @@ def parse_key(key: str) -> tuple[int, str, int]:
     return int(rid), side, int(leaf)
 
 
+def new_record(*, kind: str, path: tuple[str, ...], method: str, module_type: str) -> CallRecord:
+    """A fresh record for a call that is marked by hand (see `mark_side`)."""
+    with _LOCK:
+        rid = next(_IDS)
+    record = CallRecord(rid, kind, tuple(path), method, module_type)
+    _RECORDS[rid] = record
+    return record
+
+
+def mark_side(record: CallRecord, side: str, tree: Any) -> None:
+    """Marks one side of a call; `tree` is ``(args, kwargs)`` for the input side."""
+    treedef, is_arr = _mark_side(record, side, tree)
+    if side == INPUT:
+        record.in_tree, record.in_is_array = treedef, is_arr
+    else:
+        record.out_tree, record.out_is_array = treedef, is_arr
+
+
 def _mark_side(record: CallRecord, side: str, tree: Any) -> tuple[Any, tuple[bool, ...]]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     is_arr = tuple(is_array(leaf) for leaf in leaves)
@@ -111,10 +129,7 @@ def call_marked(
     """Calls ``fn(*args, **kwargs)``, recording the call's inputs and output."""
     if not _ACTIVE.get():
         return fn(*args, **kwargs)
-    with _LOCK:
-        rid = next(_IDS)
-    record = CallRecord(rid, kind, tuple(path), method, module_type)
-    _RECORDS[rid] = record
+    record = new_record(kind=kind, path=path, method=method, module_type=module_type)
     record.in_tree, record.in_is_array = _mark_side(record, INPUT, (args, kwargs))
     out = fn(*args, **kwargs)
     record.out_tree, record.out_is_array = _mark_side(record, OUTPUT, out)

@@ -23,7 +23,9 @@ def adapter_for(target: Any) -> Adapter:
     if _nnx.is_nnx(target):
         return _nnx.NNXAdapter()
     if callable(target):
-        return _plain.PlainAdapter()
+        adapter = _plain.PlainAdapter()
+        adapter.name_scopes = getattr(target, "_jaxslice_name_scopes", True)
+        return adapter
     raise UnsupportedTargetError(UnsupportedTargetError.TEMPLATE.format(kind=type(target).__name__))
 
 
