@@ -241,6 +241,29 @@ class Editor:
 
         return describe(self._trace())
 
+    def to_networkx(self, depth: int | None = None) -> Any:
+        """The edited model's module DAG; new and replaced nodes have ``in_slice`` set."""
+        dag = self.build()._dag(depth, whole=True)
+        edited = set(self._inserted) | set(self._replaced)
+        for name, attrs in dag.nodes(data=True):
+            if not name.startswith("<"):
+                attrs["in_slice"] = name in edited
+        for name, attrs in dag.graph.get("containers", {}).items():
+            attrs["in_slice"] = True
+        return dag
+
+    def to_dot(self, depth: int | None = None, annotations: dict[str, Any] | None = None) -> str:
+        """DOT source of the edited model with the edited nodes highlighted."""
+        from .render import to_dot
+
+        return to_dot(self.to_networkx(depth), annotations=annotations, title="jaxslice edit")
+
+    def render(self, path: Any, depth: int | None = None, annotations: dict[str, Any] | None = None) -> str:
+        """Renders `to_dot` with Graphviz's `dot` (format from the file suffix)."""
+        from .render import render_dot
+
+        return render_dot(self.to_dot(depth, annotations), path)
+
     # ------------------------------------------------------------------ internals
 
     def _trace(self) -> _trace.Traced:

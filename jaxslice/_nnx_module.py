@@ -86,6 +86,18 @@ class SlicedModule(nnx.Module):
         """The re-emitted program for the shapes and mode it was sliced with."""
         return self._jaxslice.engine.jaxpr
 
+    def to_networkx(self, depth: int | None = None) -> Any:
+        """The model's module-level DAG with this slice marked; see `js.Sliced.to_networkx`."""
+        return self._jaxslice.engine.to_networkx(depth)
+
+    def to_dot(self, depth: int | None = None, annotations: dict[str, Any] | None = None) -> str:
+        """DOT source with this slice highlighted; see `js.Sliced.to_dot`."""
+        return self._jaxslice.engine.to_dot(depth, annotations)
+
+    def render(self, path: Any, depth: int | None = None, annotations: dict[str, Any] | None = None) -> str:
+        """Renders `to_dot` with Graphviz's `dot`; see `js.Sliced.render`."""
+        return self._jaxslice.engine.render(path, depth, annotations)
+
     def _variables_by_path(self) -> dict[tuple[Any, ...], Any]:
         meta = self._jaxslice
         found: dict[tuple[Any, ...], Any] = {}

@@ -190,6 +190,42 @@ class Sliced:
         leaves = [updates.get(p, x) for p, x in flat]
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
+    # ------------------------------------------------------------------ views
+
+    def _dag(self, depth: int | None, whole: bool) -> Any:
+        from . import _listing
+        from .render import module_graph
+
+        traced = self._base.traced
+        params = {b.name: b.param_count for b in _listing.describe(traced)}
+        in_slice = None if whole else set(self._base.plan.cut.eqns)
+        return module_graph(traced.graph, depth=depth, parameters=params, in_slice=in_slice)
+
+    def to_networkx(self, depth: int | None = None) -> Any:
+        """The module-level DAG of the model, nodes marked ``in_slice`` (a networkx DiGraph).
+
+        Args:
+          depth: the deepest module path level shown; deeper calls fold into their parent.
+        """
+        return self._dag(depth, whole=False)
+
+    def to_dot(self, depth: int | None = None, annotations: dict[str, Any] | None = None) -> str:
+        """Graphviz DOT source of the model with this slice's region highlighted.
+
+        Args:
+          depth: the deepest module path level drawn (clusters collapse below it).
+          annotations: ``{boundary name: value}`` drawn on the nodes (e.g. coverage).
+        """
+        from .render import to_dot
+
+        return to_dot(self._dag(depth, whole=False), annotations=annotations)
+
+    def render(self, path: Any, depth: int | None = None, annotations: dict[str, Any] | None = None) -> str:
+        """Renders `to_dot` to an SVG/PNG/PDF file with Graphviz's `dot` (by suffix)."""
+        from .render import render_dot
+
+        return render_dot(self.to_dot(depth, annotations), path)
+
     def __repr__(self) -> str:
         p = self._base.plan
         n = sum(int(getattr(x, "size", 0)) for x in jax.tree_util.tree_leaves(self._variables))

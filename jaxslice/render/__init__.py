@@ -1,0 +1,7 @@
+"""Views of a traced model: a module-level networkx DAG and Graphviz DOT rendering."""
+
+from ._dot import render_dot as render_dot
+from ._dot import to_dot as to_dot
+from ._modulegraph import module_graph as module_graph
+
+__all__ = ["module_graph", "render_dot", "to_dot"]
