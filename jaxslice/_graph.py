@@ -296,7 +296,7 @@ def build(
     g.state_paths = list(state_paths)
     g.state_ids = [b.read(env, v) for v in outs]
     assert len(g.state_ids) == len(g.state_paths)
-    g.calls = _calls_from_markers(b.occurrences, len(g.eqns))
+    g.calls = _whole_loops(g, _calls_from_markers(b.occurrences, len(g.eqns)))
     if name_scopes:
         marked = {c.name for c in g.calls}
         g.calls += [c for c in _calls_from_scopes(g) if c.name not in marked]
@@ -346,6 +346,43 @@ def _calls_from_markers(occurrences: list[_Occurrence], num_eqns: int) -> list[C
     for state in pending:
         _finish(*state)
     return calls
+
+
+def _whole_loops(g: Graph, calls: list[Call]) -> list[Call]:
+    """A lifted module (linen `nn.scan`, say) as a whole: the loop equation's own ports.
+
+    Inside the loop body each call is one iteration; the outermost module of a loop that
+    is called nowhere else *is* the loop (its outer call is the lifted transform), so it
+    gets a boundary whose inputs are the loop's non-constant operands and whose output is
+    the tuple of the loop's results. Calls nested in it stay per-iteration (not sliceable).
+    """
+    outside = {c.name for c in calls if c.loop is None}
+    out: list[Call] = []
+    seen_loops: dict[int, list[Call]] = {}
+    for c in calls:
+        if c.loop is None or c.kind not in ("linen", "nnx") or c.name in outside:
+            out.append(c)
+            continue
+        siblings = seen_loops.setdefault(c.start, [])
+        if any(c.path[: len(o.path)] == o.path for o in siblings):
+            out.append(c)
+            continue
+        eqn = g.eqns[c.start]
+        n_in, n_out = len(eqn.ins), len(eqn.outs)
+        whole = dataclasses.replace(
+            c,
+            loop=None,
+            in_tree=jax.tree_util.tree_structure((tuple(range(n_in)), {})),
+            in_slots=[Slot(v) for v in eqn.ins],
+            out_tree=jax.tree_util.tree_structure(tuple(range(n_out))) if n_out != 1 else jax.tree_util.tree_structure(0),
+            out_slots=[Slot(v) for v in eqn.outs],
+            start=c.start,
+            stop=c.start + 1,
+            module_type=f"{c.module_type} ({eqn.primitive})",
+        )
+        siblings.append(whole)
+        out.append(whole)
+    return out
 
 
 def _finish(call: Call, record: _markers.CallRecord, ins: dict[int, int | None], outs: dict[int, int | None]) -> None:

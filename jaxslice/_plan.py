@@ -65,6 +65,8 @@ class Plan:
     rng_ids: tuple[int, ...]
     state_paths: tuple[tuple[Any, ...], ...] = ()  # updated state the slice returns
     state_ids: tuple[int, ...] = ()
+    updated_collections: tuple[str, ...] = ()  # collections the slice changes in this mode
+    state_collections: tuple[str, ...] = ()  # collections the slice has state in
 
 
 def _is_input(graph: Graph, slot: Slot) -> bool:
@@ -219,8 +221,16 @@ def plan(
     if result.missing:
         _raise_missing(graph, program, input_ids, output_ids, starts, end_ports)
     state_pairs: list[tuple[tuple[Any, ...], int]] = []
-    if mutable:
-        state_pairs = _slice_state(graph, program, result, set(input_ids), output_ids, mutable, owner_offset)
+    updated: tuple[str, ...] = ()
+    collections: tuple[str, ...] = ()
+    if graph.state_paths:
+        own = _slice_state(graph, program, result, set(input_ids), output_ids, True, owner_offset)
+        variables = graph.variable_set
+        collections = tuple(sorted({_key(p[0]) for p, _ in own}))
+        updated = tuple(sorted({_key(p[0]) for p, v in own if v not in variables}))
+        if mutable:
+            wanted = None if mutable is True else ({mutable} if isinstance(mutable, str) else set(mutable))
+            state_pairs = [(p, v) for p, v in own if wanted is None or _key(p[0]) in wanted]
         if state_pairs:
             result = _cut.cut(
                 program, graph.producer, set(input_ids), graph.is_free, output_ids + tuple(v for _, v in state_pairs)
@@ -240,6 +250,8 @@ def plan(
         rng_ids=tuple(v for v in graph.rng_ids if v in used),
         state_paths=tuple(p for p, _ in state_pairs),
         state_ids=tuple(v for _, v in state_pairs),
+        updated_collections=updated,
+        state_collections=collections,
     )
 
 
@@ -285,7 +297,7 @@ def _slice_state(
             continue
         if offset == 0 and vid in variable_set:
             continue  # unchanged: nothing to write back (NNX)
-        if _cut.cut(program, graph.producer, input_ids, graph.is_free, [vid]).missing:
+        if vid not in variable_set and _cut.cut(program, graph.producer, input_ids, graph.is_free, [vid]).missing:
             continue  # its final value comes from a call outside the slice
         chosen.append((path, vid))
     return chosen

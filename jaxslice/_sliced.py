@@ -130,6 +130,7 @@ class Sliced:
                 "`mutable` apply to Flax models only."
             )
         entry, leaves = self._lookup(inputs, kwargs, rngs, mutable)
+        _check_mutable(entry.plan, mutable)
         var_leaves = self._variable_leaves(entry.plan, variables)
         rng_leaves = self._rng_leaves(entry, rngs)
         outs = entry.jitted(var_leaves, rng_leaves, leaves)
@@ -332,13 +333,6 @@ class Sliced:
         got = self._traced_input_avals(entry)
         if base.plan.starts is not None and _shapes(got) != _shapes(avals):
             raise InputMismatchError(_mismatch_message(base, expected, avals))
-        if mutable and not entry.plan.state_paths:
-            wanted = "any collection" if mutable is True else repr(mutable)
-            raise SliceError(
-                f"mutable={wanted}, but the slice updates no state in it (in mode {mode}). "
-                "Pass mutable=False, or the collections the slice's modules update (e.g. "
-                "['batch_stats'] with train=True)."
-            )
         return entry
 
     # ------------------------------------------------------------------ variables
@@ -381,6 +375,22 @@ class Sliced:
         leaves = [x for x in jax.tree_util.tree_leaves(rngs) if _trace.is_traced_leaf(x)]
         position = {v: i for i, v in enumerate(entry.traced.graph.rng_ids)}
         return [leaves[position[v]] for v in entry.plan.rng_ids]
+
+
+def _check_mutable(plan: _plan.Plan, mutable: Any) -> None:
+    """linen's rules: updated state must be asked for, and what is asked for must exist."""
+    if not mutable and plan.updated_collections:
+        names = list(plan.updated_collections)
+        raise SliceError(
+            f"In this mode the slice updates {names}; pass mutable={names} to get the updates "
+            "(as `(outputs, updates)`), as linen's `apply` requires."
+        )
+    if mutable and not plan.state_paths:
+        wanted = "any collection" if mutable is True else repr(mutable)
+        raise SliceError(
+            f"mutable={wanted}, but the slice has no state there (it has {list(plan.state_collections)}). "
+            "Pass mutable=False, or collections the slice's modules use (e.g. ['batch_stats'])."
+        )
 
 
 def _shapes(avals: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -67,9 +67,11 @@ class LinenAdapter(Adapter):
         import flax.linen as nn
 
         extra = {} if rngs is None else {"rngs": rngs}
+        # Every collection is traced as mutable, whatever the caller asked: modules outside
+        # a slice may update state in this mode, and only the slice's own updates matter
+        # (the plan returns those asked for, and rejects unasked ones as linen would).
         with nn.intercept_methods(_interceptor):
-            out = target.apply(variables, *args, **extra, mutable=mutable, **kwargs)
-        return out if mutable else (out, None)
+            return target.apply(variables, *args, **extra, mutable=True, **kwargs)
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
         method = getattr(type(target), "__call__", None)
