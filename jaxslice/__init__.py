@@ -5,6 +5,7 @@ from ._activations import ActivationStats as ActivationStats
 from ._edit import Editor as Editor
 from ._edit import edit as edit
 from ._errors import AmbiguousBoundaryError as AmbiguousBoundaryError
+from ._errors import AttributeMutationError as AttributeMutationError
 from ._errors import BoundaryInLoopError as BoundaryInLoopError
 from ._errors import DisconnectedError as DisconnectedError
 from ._errors import InputMismatchError as InputMismatchError
@@ -31,6 +32,7 @@ from .adapters._plain import mark as mark
 __all__ = [
     "ActivationStats",
     "AmbiguousBoundaryError",
+    "AttributeMutationError",
     "Boundary",
     "BoundaryInLoopError",
     "BoundaryTable",

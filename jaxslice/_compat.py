@@ -156,6 +156,32 @@ def marker_key(eqn: Any) -> str | None:
     return None
 
 
+def _trace_context_flag() -> Any:
+    # A JAX config flag that is part of the trace context, so `jax.jit` keeps separate
+    # caches for traces made while jaxslice marks: a jitted function traced before outside
+    # jaxslice is traced again (with its markers) instead of being reused unmarked.
+    # `bool_state(..., include_in_trace_context=...)` exists in JAX 0.4.36 through 0.12.
+    from jax._src import config as _config
+
+    try:
+        return _config.bool_state(
+            "jaxslice_marking",
+            False,
+            "Set by jaxslice while it traces a model with boundary markers.",
+            include_in_trace_context=True,
+        )
+    except (AttributeError, TypeError):  # pragma: no cover - other JAX releases
+        return None
+
+
+_MARKING_FLAG = _trace_context_flag()
+
+
+def marking_context() -> Any:
+    """Context in which JAX's trace caches are separate from unmarked traces."""
+    return _MARKING_FLAG(True) if _MARKING_FLAG is not None else contextlib.nullcontext()
+
+
 # --------------------------------------------------------------------------- name stacks
 
 

@@ -128,6 +128,20 @@ class ModelTraceError(SliceError):
     )
 
 
+class AttributeMutationError(SliceError):
+    """An NNX model changed a Python attribute while it was being traced.
+
+    Reproducer: a module whose ``__call__`` does ``self.calls += 1`` on a plain int.
+    """
+
+    TEMPLATE = (
+        "The model changed its Python attributes while it ran ({detail}). A slice re-runs only "
+        "part of the model and cannot replay such changes, so its results would drift from the "
+        "model's.\nKeep values that change in `nnx.Variable`s (e.g. `self.calls = "
+        "nnx.Variable(jnp.array(0))`), which jaxslice tracks as state."
+    )
+
+
 class VariablesMismatchError(SliceError):
     """Variables passed to a slice do not match the variables the slice uses.
 

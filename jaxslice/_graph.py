@@ -93,6 +93,21 @@ class Call:
 
 
 @dataclasses.dataclass(eq=False)
+class Region:
+    """An inlined call-like equation (jit, remat, custom_jvp/vjp): the equation itself, with
+    the ids of its operands and results, and the span of equations it was inlined into.
+
+    A slice that needs the region but starts and ends outside it runs the original
+    equation instead of its inlined body, which keeps custom derivative rules, remat
+    policies and jit boundaries.
+    """
+
+    eqn: Eqn
+    start: int
+    stop: int
+
+
+@dataclasses.dataclass(eq=False)
 class Graph:
     """A traced program, flattened."""
 
@@ -110,6 +125,7 @@ class Graph:
     state_paths: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
     state_ids: list[int] = dataclasses.field(default_factory=list)
     calls: list[Call] = dataclasses.field(default_factory=list)
+    regions: list[Region] = dataclasses.field(default_factory=list)
     producer: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def new_value(self, aval: Any) -> int:
@@ -152,6 +168,15 @@ class Graph:
             start=0,
             stop=0,
         )
+
+
+def describe_aval(aval: Any) -> str:
+    """``float32[8, 16]``: how jaxslice prints a shape and dtype everywhere."""
+    shape = getattr(aval, "shape", None)
+    dtype = getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        return str(aval)
+    return f"{dtype}{list(shape)}"
 
 
 def _is_jax_value(x: Any) -> bool:
@@ -230,12 +255,17 @@ class _Builder:
         inner: dict[Any, int] = {}
         for v, c in zip(jaxpr.constvars, consts, strict=True):
             inner[v] = self.g.new_const(c)
+        ins = []
         for v, a in zip(jaxpr.invars, eqn.invars, strict=True):
             inner[v] = self.read(env, a)
+            ins.append(inner[v])
+        start = len(self.g.eqns)
         self.walk(jaxpr, inner, scopes)
-        for outer, atom in zip(eqn.outvars, jaxpr.outvars, strict=True):
+        outs = [self.read(inner, atom) for atom in jaxpr.outvars]
+        for outer, vid in zip(eqn.outvars, outs, strict=True):
             if not _compat.is_dropvar(outer):
-                env[outer] = self.read(inner, atom)
+                env[outer] = vid
+        self.g.regions.append(Region(Eqn(eqn, tuple(ins), tuple(outs), scopes), start, len(self.g.eqns)))
 
     def collect_loop_markers(self, eqn: Any, scopes: tuple[str, ...], pos: int, loop: str) -> None:
         for sub in _compat.subjaxprs(eqn):

@@ -22,12 +22,12 @@ from ._graph import Graph, Slot
 
 def emit(
     graph: Graph,
-    eqn_indices: Sequence[int],
+    eqns: Sequence[Any],
     arg_ids: Sequence[Sequence[int]],
     output_ids: Sequence[int],
 ) -> Callable[..., list[Any]]:
     """A function ``f(*groups) -> outputs``; ``groups[k]`` holds values for ``arg_ids[k]``."""
-    eqns = [graph.eqns[i] for i in eqn_indices]
+    eqns = list(eqns)
     needed = {v for e in eqns for v in e.ins} | set(output_ids)
     consts = {v: graph.consts[v] for v in needed if v in graph.consts}
     arg_ids = [tuple(ids) for ids in arg_ids]
@@ -161,9 +161,9 @@ def variable_values(traced: Any, variables: Any) -> list[Any]:
     """Values for `traced.graph.variable_ids`, looked up by path in `variables`."""
     graph = traced.graph
     if traced.adapter.kind == "nnx":
-        from .adapters._nnx import get_value
+        from .adapters._nnx import flat_state, get_value
 
-        flat = {tuple(p): get_value(v) for p, v in variables.flat_state()}
+        flat = {p: get_value(v) for p, v in flat_state(variables)}
     else:
         flat = dict(jax.tree_util.tree_flatten_with_path(variables)[0])
     missing = [p for p in graph.variable_paths if p not in flat]

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from . import _compat, _plan, _trace
-from ._graph import Call, Graph
+from ._graph import Call, Graph, describe_aval
 from ._markers import INPUT, OUTPUT
 
 
@@ -65,7 +65,7 @@ class BoundaryTable(list):
 def _fmt(avals: tuple[jax.ShapeDtypeStruct, ...]) -> str:
     if not avals:
         return "-"
-    return ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
+    return ", ".join(describe_aval(a) for a in avals)
 
 
 def _avals(graph: Graph, ids: list[int]) -> tuple[jax.ShapeDtypeStruct, ...]:

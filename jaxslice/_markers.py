@@ -66,7 +66,8 @@ def marking() -> Iterator[None]:
     """Turns marking on for the duration of one trace."""
     token = _ACTIVE.set(True)
     try:
-        yield
+        with _compat.marking_context():
+            yield
     finally:
         _ACTIVE.reset(token)
 

@@ -97,4 +97,13 @@ class Resolver:
         if not close:
             # Users often type a leaf name ("conv") for a nested path ("block1/conv").
             close = [n for n in names if n.rsplit("/", 1)[-1] == base.rsplit("/", 1)[-1]][:3]
-        return f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        bases = []
+        for c in close:
+            base = parse(c)[0]
+            if base not in bases:
+                bases.append(base)
+        shown = []
+        for base in bases:
+            calls = self.by_name.get(base, [])
+            shown += [base] if len(calls) == 1 else [f"{base}@{c.index}" for c in calls]
+        return f" Did you mean {', '.join(repr(c) for c in shown)}?" if shown else ""

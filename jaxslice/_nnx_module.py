@@ -39,10 +39,26 @@ def _held(root: Any, engine: Sliced) -> tuple[list[tuple[Any, ...]], list[tuple[
     modules = {tuple(path): node for path, node in nnx.iter_graph(root) if isinstance(node, nnx.Module)}
     by_str = {tuple(str(p) for p in path): path for path in modules}
     wanted: set[tuple[Any, ...]] = set()
-    in_cut = set(plan.cut.eqns)
-    for call in graph.calls:
-        if call.loop is None and any(i in in_cut for i in range(call.start, call.stop)):
-            wanted.add(by_str[call.path])
+    # The innermost module call around each equation of the slice runs in it (and may
+    # read flags such as `deterministic`), so the slice holds that module.
+    owner: dict[int, Any] = {}
+    calls = sorted((c for c in graph.calls if c.loop is None), key=lambda c: (c.start, -c.stop, c.in_seq))
+    for call in calls:
+        for i in range(call.start, call.stop):
+            owner[i] = call
+    for i in plan.cut.eqns:
+        if i in owner and owner[i].path in by_str:
+            wanted.add(by_str[owner[i].path])
+    # A call without equations in this mode (dropout in eval mode) is held when the slice
+    # passes through it, so switching modes later reaches it.
+    made = {v for i in plan.cut.eqns for v in graph.eqns[i].outs} | set(plan.input_ids)
+    read = {v for i in plan.cut.eqns for v in graph.eqns[i].ins} | set(plan.output_ids)
+    for call in calls:
+        if call.start == call.stop and call.path in by_str:
+            ins = {s.id for s in call.in_slots if s.id is not None}
+            outs = {s.id for s in call.out_slots if s.id is not None}
+            if ins & made and outs & read:
+                wanted.add(by_str[call.path])
     loose = []
     for path in set(plan.variable_paths) | set(plan.state_paths):
         owner = max((m for m in modules if m and path[: len(m)] == m), key=len, default=None)

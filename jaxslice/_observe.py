@@ -29,15 +29,24 @@ POSITIONS = ("output", "activation")
 
 
 def default_layers(traced: _trace.Traced) -> list[str]:
-    """Calls with parameters of their own: no call nested inside them has parameters."""
+    """Calls of modules that hold parameters themselves (for plain functions, whose
+    parameters have no owner, calls with parameters and no such call nested in them),
+    whose output is a single array."""
     graph = traced.graph
+    own = traced.adapter.own_parameter_modules(traced.split.variables)
     table = {c.qualname: b for c, b in zip(graph.calls, _listing.describe(traced), strict=True)}
     calls = [c for c in graph.calls if c.loop is None and table[c.qualname].param_count > 0]
     layers = []
     for c in calls:
-        nested = [d for d in calls if d is not c and c.start <= d.start and d.stop <= c.stop and (d.start, d.stop) != (c.start, c.stop)]
+        if own is not None:
+            mine = c.path in own and c.method == "__call__"
+        else:
+            mine = not any(
+                d is not c and c.start <= d.start and d.stop <= c.stop and (d.start, d.stop) != (c.start, c.stop)
+                for d in calls
+            )
         outs = [s for s in c.out_slots if s.id is not None]
-        if not nested and len(c.out_slots) == 1 and len(outs) == 1 and len(graph.avals[outs[0].id].shape) >= 1:
+        if mine and len(c.out_slots) == 1 and len(outs) == 1 and len(graph.avals[outs[0].id].shape) >= 1:
             layers.append(c.qualname)
     return layers
 
@@ -83,8 +92,11 @@ class Observer:
         elif isinstance(layers, str) or not all(isinstance(n, str) for n in layers):
             raise InvalidSpecError(f"`layers` must be a list of boundary names or None, got {layers!r}.")
         resolver = Resolver(traced.graph)
+        order = {}
         for name in layers:
-            resolver.resolve(name, "output")  # unknown / ambiguous names raise here
+            call, _ = resolver.resolve(name, "output")  # unknown / ambiguous names raise here
+            order[name] = (call.start, call.in_seq)
+        layers = sorted(dict.fromkeys(layers), key=order.__getitem__)  # in call order
         if not layers:
             raise InvalidSpecError("No layers to observe: the model has no module with parameters; name `layers`.")
         self.layers = list(layers)
@@ -97,6 +109,11 @@ class Observer:
         base = self.engine._base
         self.shapes = [tuple(base.traced.graph.avals[i].shape) for i in base.plan.output_ids]
         self._steps: dict[tuple[int, int], Callable[..., Any]] = {}
+
+    def batch_size(self, batch: Any) -> int:
+        args = self._inputs(batch)
+        leaves = [x for x in jax.tree_util.tree_leaves(args) if _trace.is_traced_leaf(x)]
+        return int(jnp.shape(leaves[0])[0]) if leaves and jnp.ndim(leaves[0]) else 1
 
     def _inputs(self, batch: Any) -> tuple[Any, ...]:
         args = batch if isinstance(batch, tuple) else (batch,)

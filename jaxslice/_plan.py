@@ -18,7 +18,7 @@ import jax
 
 from . import _cut
 from ._errors import DisconnectedError, InvalidSpecError, MissingInputError
-from ._graph import Call, Graph, Slot
+from ._graph import Call, Graph, Slot, describe_aval
 from ._markers import INPUT, OUTPUT
 from ._names import Resolver
 
@@ -65,6 +65,7 @@ class Plan:
     rng_ids: tuple[int, ...]
     state_paths: tuple[tuple[Any, ...], ...] = ()  # updated state the slice returns
     state_ids: tuple[int, ...] = ()
+    program: tuple[Any, ...] = ()  # the equations to run (`Eqn`s), regions folded back
     updated_collections: tuple[str, ...] = ()  # collections the slice changes in this mode
     state_collections: tuple[str, ...] = ()  # collections the slice has state in
 
@@ -235,6 +236,7 @@ def plan(
             result = _cut.cut(
                 program, graph.producer, set(input_ids), graph.is_free, output_ids + tuple(v for _, v in state_pairs)
             )
+    result, program_eqns = _fold_regions(graph, program, result, set(input_ids), output_ids + tuple(v for _, v in state_pairs))
     used = result.used_free
     var_pairs = [(v, p) for v, p in zip(graph.variable_ids, graph.variable_paths, strict=True) if v in used]
     return Plan(
@@ -252,7 +254,52 @@ def plan(
         state_ids=tuple(v for _, v in state_pairs),
         updated_collections=updated,
         state_collections=collections,
+        program=tuple(program_eqns),
     )
+
+
+def _fold_regions(
+    graph: Graph, program: Any, result: _cut.Cut, starts: set[int], outputs: tuple[int, ...]
+) -> tuple[_cut.Cut, list[Any]]:
+    """Runs inlined regions the slice needs whole as their original equation."""
+    needed = set(result.eqns)
+    inside_values = lambda r: {v for e in graph.eqns[r.start : r.stop] for v in e.outs}  # noqa: E731
+    chosen: list[Any] = []
+    for region in sorted(graph.regions, key=lambda r: (r.start, -r.stop)):
+        if chosen and region.start < chosen[-1].stop:
+            continue  # nested in a region already folded
+        if region.start == region.stop or not any(i in needed for i in range(region.start, region.stop)):
+            continue
+        internal = inside_values(region) - set(region.eqn.outs)
+        if internal & starts or internal & set(outputs):
+            continue  # the slice starts or ends inside the region
+        chosen.append(region)
+    if not chosen:
+        return result, [graph.eqns[i] for i in result.eqns]
+    extra = tuple(v for r in chosen for v in r.eqn.ins)
+    full = _cut.cut(program, graph.producer, starts, graph.is_free, outputs + extra)
+    if full.missing:
+        # Some region operand is not computable from the start: keep those regions inlined.
+        ok = []
+        for r in chosen:
+            if not _cut.cut(program, graph.producer, starts, graph.is_free, r.eqn.ins).missing:
+                ok.append(r)
+        chosen = ok
+        extra = tuple(v for r in chosen for v in r.eqn.ins)
+        full = _cut.cut(program, graph.producer, starts, graph.is_free, outputs + extra)
+    folded = set()
+    for r in chosen:
+        folded.update(range(r.start, r.stop))
+    at = {r.start: r for r in chosen}
+    eqns: list[Any] = []
+    placed: set[int] = set()
+    for i in sorted(set(full.eqns) | set(at)):
+        if i in at and at[i].start not in placed:
+            eqns.append(at[i].eqn)
+            placed.add(i)
+        if i not in folded:
+            eqns.append(graph.eqns[i])
+    return full, eqns
 
 
 def _key(entry: Any) -> str:
@@ -407,4 +454,4 @@ def _raise_missing(
 
 
 def _short(aval: Any) -> str:
-    return aval.str_short() if hasattr(aval, "str_short") else str(aval)
+    return describe_aval(aval)

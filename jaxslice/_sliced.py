@@ -40,7 +40,7 @@ def _make_entry(traced: Traced, start: Any, end: Any) -> _Entry:
     p = _plan.plan(
         graph, Resolver(graph), start, end, traced.split.mutable, traced.adapter.state_owner_offset
     )
-    fn = _interpret.emit(graph, p.cut.eqns, [p.variable_ids, p.rng_ids, p.input_ids], p.output_ids + p.state_ids)
+    fn = _interpret.emit(graph, p.program, [p.variable_ids, p.rng_ids, p.input_ids], p.output_ids + p.state_ids)
     return _Entry(traced, p, fn, jax.jit(fn))
 
 
@@ -166,6 +166,25 @@ class Sliced:
         var_leaves = self._variable_leaves(entry.plan, variables, strict=False)
         outs = entry.jitted(var_leaves, self._rng_leaves(entry, rngs), leaves)
         return _assemble(entry.plan.output_trees, outs[: len(entry.plan.output_ids)])
+
+    def extract(self, full_variables: Any) -> Any:
+        """The slice's part of a model's full variables (the inverse of `merge`).
+
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxslice as js
+        >>> model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
+        >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+        >>> head = js.slice(model, variables, jnp.ones((1, 3)), start="layers_1")
+        >>> list(head.extract(variables)["params"])
+        ['layers_1']
+        """
+        paths = set(self._base.plan.variable_paths)
+        found = {p for p, _ in jax.tree_util.tree_flatten_with_path(full_variables)[0]}
+        missing = sorted(_path_str(p) for p in paths - found)
+        if missing:
+            raise VariablesMismatchError(
+                "These variables lack entries the slice reads: " + ", ".join(missing[:8]) + "."
+            )
+        return prune(full_variables, paths)
 
     def merge(self, full_variables: Any, new_variables: Any) -> Any:
         """The model's variables with the slice's entries replaced by `new_variables`.

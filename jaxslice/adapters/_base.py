@@ -68,6 +68,10 @@ class Adapter:
         """Parameter count per module path (`/`-joined), including submodules."""
         return {}
 
+    def own_parameter_modules(self, variables: Any) -> set[tuple[str, ...]] | None:
+        """Paths of modules that hold parameters themselves, or None if unknown."""
+        return None
+
 
 def keywords_of(fn: Any) -> set[str] | None:
     """The keyword parameter names of `fn`, or None when it takes ``**kwargs``."""

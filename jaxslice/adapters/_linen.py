@@ -78,6 +78,13 @@ class LinenAdapter(Adapter):
         names = keywords_of(method) if method is not None else None
         return None if names is None else (names - {"self"}) | {"method", "capture_intermediates"}
 
+    def own_parameter_modules(self, variables: Any) -> set[tuple[str, ...]] | None:
+        params = variables.get("params", {}) if hasattr(variables, "get") else {}
+        return {
+            tuple(str(getattr(k, "key", k)) for k in path[:-1])
+            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+        }
+
     def parameter_counts(self, variables: Any) -> dict[str, int]:
         params = variables.get("params", {}) if hasattr(variables, "get") else {}
         flat = {}

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import _markers
-from .._errors import SliceError
+from .._errors import AttributeMutationError
 from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
 
 _PATHS: contextvars.ContextVar[dict[int, tuple[str, ...]] | None] = contextvars.ContextVar(
@@ -34,26 +34,29 @@ _PATHS: contextvars.ContextVar[dict[int, tuple[str, ...]] | None] = contextvars.
 _IN_CALL: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("jaxslice_nnx_in_call", default=frozenset())
 
 
-class AttributeMutationError(SliceError):
-    """An NNX model changed a Python attribute while it was being traced.
-
-    Reproducer: a module whose ``__call__`` does ``self.calls += 1`` on a plain int.
-    """
-
-    TEMPLATE = (
-        "The model changed its Python attributes while it ran ({detail}). A slice re-runs only "
-        "part of the model and cannot replay such changes, so its results would drift from the "
-        "model's.\nKeep values that change in `nnx.Variable`s (e.g. `self.calls = "
-        "nnx.Variable(jnp.array(0))`), which jaxslice tracks as state."
-    )
-
-
 def is_nnx(target: Any) -> bool:
     try:
         from flax import nnx
     except ImportError:  # pragma: no cover
         return False
     return isinstance(target, nnx.Module)
+
+
+def flat_state(state: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """``[(path, variable)]`` of an `nnx.State` (`nnx.to_flat_state` since flax 0.11)."""
+    from flax import nnx
+
+    if hasattr(nnx, "to_flat_state"):
+        return [(tuple(p), v) for p, v in nnx.to_flat_state(state)]
+    return [(tuple(p), v) for p, v in state.flat_state()]  # pragma: no cover - older flax
+
+
+def state_from_flat(pairs: list[tuple[tuple[Any, ...], Any]]) -> Any:
+    from flax import nnx
+
+    if hasattr(nnx, "from_flat_state"):
+        return nnx.from_flat_state(pairs)
+    return nnx.State.from_flat_path(pairs)  # pragma: no cover - older flax
 
 
 def get_value(variable: Any) -> Any:
@@ -145,7 +148,7 @@ class NNXAdapter(Adapter):
 
         inputs, mode = split_kwargs(kwargs)
         graphdef, state = nnx.split(target)
-        flat = list(state.flat_state())
+        flat = flat_state(state)
         variables = _NNXVariables(graphdef, flat)
         return Split(variables=variables, rngs=None, args=tuple(args), kwargs=inputs, mode=mode, mutable=True)
 
@@ -154,7 +157,7 @@ class NNXAdapter(Adapter):
 
         graphdef, state = nnx.split(target)
         return Split(
-            variables=_NNXVariables(graphdef, list(state.flat_state())),
+            variables=_NNXVariables(graphdef, flat_state(state)),
             rngs=None,
             args=split.args,
             kwargs=split.kwargs,
@@ -185,11 +188,16 @@ class NNXAdapter(Adapter):
         after, state = nnx.split(model)
         if after != graphdef:
             raise AttributeMutationError(AttributeMutationError.TEMPLATE.format(detail=_diff(graphdef, after)))
-        return out, [(tuple(path), get_value(v)) for path, v in state.flat_state()]
+        return out, [(path, get_value(v)) for path, v in flat_state(state)]
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
         names = keywords_of(type(target).__call__)
         return None if names is None else names - {"self"}
+
+    def own_parameter_modules(self, variables: Any) -> set[tuple[str, ...]] | None:
+        from flax import nnx
+
+        return {tuple(str(p) for p in path[:-1]) for path, v in variables.flat if isinstance(v, nnx.Param)}
 
     def parameter_counts(self, variables: Any) -> dict[str, int]:
         from flax import nnx
@@ -223,5 +231,5 @@ class _NNXVariables:
         pairs = []
         for (path, var), value in zip(self.flat, leaves, strict=True):
             pairs.append((path, var.replace(value)))
-        state = nnx.State.from_flat_path(pairs)
+        state = state_from_flat(pairs)
         return nnx.merge(self.graphdef, state), self.graphdef

@@ -54,7 +54,8 @@ class Tracker:
         (``model, variables, x`` for linen, ``fn, params, x`` for plain functions,
         ``model, x`` for NNX). Keywords such as ``train=False`` fix the mode.
       criteria: criterion objects; default NC(0.5), KMNC(10), NBC, SNAC, TKNC(2).
-      layers: boundary names to observe; default every module with parameters of its own.
+      layers: boundary names to observe (taken in call order); default every module with
+        parameters of its own.
       granularity: ``"channel"`` or ``"element"``.
       position: ``"output"`` (the layer's output) or ``"activation"``.
 
@@ -108,6 +109,7 @@ class Tracker:
     def reset(self) -> None:
         """Forgets every covered neuron (the profile is kept)."""
         self._state = [c.init(self.sizes) for c in self.criteria]
+        self._seen = 0
 
     @property
     def profile_stats(self) -> dict[str, dict[str, Any]] | None:
@@ -133,7 +135,17 @@ class Tracker:
     def update(self, batch: Any) -> None:
         """Adds a batch of test inputs (an array, or a tuple of the model's inputs)."""
         self._check_profile()
+        n = self._observer.batch_size(batch)
+        for crit in self.criteria:
+            limit = getattr(crit, "capacity", None)
+            if limit is not None and self._seen + n > limit:
+                raise SliceError(
+                    f"{crit.name} keeps the activation pattern of every input and holds at most "
+                    f"{limit}; {self._seen} were seen and this batch has {n}. Make it with a larger "
+                    f"`capacity` (e.g. {type(crit).__name__}(capacity={2 * (self._seen + n)}))."
+                )
         self._state = self._observer.run(_UPDATE, batch, self._update_step, self._state, self._profile)
+        self._seen += n
 
     def result(self) -> CoverageResult:
         """Coverage per criterion: the total over all neurons, and per layer."""

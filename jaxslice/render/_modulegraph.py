@@ -13,7 +13,7 @@ from typing import Any
 
 import networkx as nx
 
-from .._graph import Call, Graph
+from .._graph import Call, Graph, describe_aval
 
 INPUTS = "<inputs>"
 OUTPUT = "<output>"
@@ -39,7 +39,7 @@ def _contains(outer: Call, inner: Call) -> bool:
 
 
 def _short(aval: Any) -> str:
-    return aval.str_short() if hasattr(aval, "str_short") else str(aval)
+    return describe_aval(aval)
 
 
 def module_graph(
