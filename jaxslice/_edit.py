@@ -114,7 +114,7 @@ class Editor:
             base = type(fn_or_module).__name__ if _is_linen(fn_or_module) else getattr(fn_or_module, "__name__", "fn")
             name = self._fresh_name("fn" if base == "<lambda>" else base)
         self._check_new_name(name)
-        node = self._new_node(fn_or_module, key, name, self._probe()[(target, OUTPUT)])
+        node = self._new_node(fn_or_module, key, name, (self._probe()[(target, OUTPUT)],))
         self._after.setdefault(target, []).append(node)
         self._inserted[name] = node
         try:
@@ -136,6 +136,8 @@ class Editor:
         """
         target = self._resolve(at)
         sample = self._probe()[(target, INPUT)]
+        # An inserted node takes one argument; a module call takes its array arguments.
+        sample = (sample,) if target in self._inserted or not isinstance(sample, tuple) else sample
         if target in self._inserted:
             old = self._inserted[target]
             new = self._new_node(fn_or_module, key, target, sample)
@@ -307,15 +309,14 @@ class Editor:
                 if n is old:
                     nodes[i] = new
 
-    def _new_node(self, fn_or_module: Any, key: Any, name: str, sample: Any) -> _Node:
-        args = sample if isinstance(sample, tuple) else (sample,)
+    def _new_node(self, fn_or_module: Any, key: Any, name: str, args: tuple[Any, ...]) -> _Node:
         if _is_linen(fn_or_module):
             if key is None:
                 raise InvalidSpecError(
                     f"The module {type(fn_or_module).__name__} needs `key=` to initialise its variables, "
                     "e.g. key=jax.random.key(0)."
                 )
-            zeros = [jax.numpy.zeros(a.shape, a.dtype) for a in args]
+            zeros = jax.tree_util.tree_map(lambda a: jax.numpy.zeros(a.shape, a.dtype), args)
             module = fn_or_module
             variables = dict(module.init(key, *zeros))
             return _Node(name, lambda v, *a: module.apply(v, *a), module, variables)
@@ -379,7 +380,7 @@ class _EditInterpreter(Interpreter):
             self.observe(name, side, value)
 
     def _call_node(self, node: _Node, value: Any) -> Any:
-        args = value if isinstance(value, tuple) else (value,)
+        args = (value,)  # an inserted node receives the output it follows, whatever its structure
         node_vars = self._node_variables(node)
         self._see(node.name, INPUT, value)
         out = _markers.call_marked(

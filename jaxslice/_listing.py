@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -108,9 +109,20 @@ def _describe_call(traced: _trace.Traced, call: Call) -> Boundary:
     )
 
 
+def _is_parameter(path: tuple[Any, ...], linen_style: bool) -> bool:
+    if not linen_style:
+        return True
+    first = path[0] if path else None
+    return getattr(first, "key", first) == "params"
+
+
 def _span_params(traced: _trace.Traced, call: Call) -> int:
     graph = traced.graph
-    variables = set(graph.variable_ids)
+    tree = traced.split.variables
+    linen_style = isinstance(tree, Mapping) and "params" in tree
+    variables = {
+        v for v, p in zip(graph.variable_ids, graph.variable_paths, strict=True) if _is_parameter(p, linen_style)
+    }
     used = {v for e in graph.eqns[call.start : call.stop] for v in e.ins if v in variables}
     return sum(int(getattr(graph.avals[v], "size", 0)) for v in used)
 

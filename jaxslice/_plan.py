@@ -225,7 +225,8 @@ def plan(
     updated: tuple[str, ...] = ()
     collections: tuple[str, ...] = ()
     if graph.state_paths:
-        own = _slice_state(graph, program, result, set(input_ids), output_ids, True, owner_offset)
+        whole = starts is None and isinstance(ends, Port) and ends.spec is None
+        own = _slice_state(graph, program, result, set(input_ids), output_ids, True, owner_offset, whole)
         variables = graph.variable_set
         collections = tuple(sorted({_key(p[0]) for p, _ in own}))
         updated = tuple(sorted({_key(p[0]) for p, v in own if v not in variables}))
@@ -314,12 +315,14 @@ def _slice_state(
     output_ids: tuple[int, ...],
     mutable: Any,
     offset: int,
+    whole: bool = False,
 ) -> list[tuple[tuple[Any, ...], int]]:
     """The updated state entries that belong to the slice.
 
     An entry belongs to the slice when the module that owns it (the longest module path
     that prefixes the entry's path) has a call with equations in the slice, and its new
-    value can be computed from the slice's inputs. State of modules outside the slice is
+    value can be computed from the slice's inputs. State of the top-level module itself
+    belongs only to a slice of the whole model (from its inputs to its output). State of modules outside the slice is
     not returned, so merging the result back leaves it untouched.
     """
     wanted = None if mutable is True else ({mutable} if isinstance(mutable, str) else set(mutable))
@@ -340,7 +343,7 @@ def _slice_state(
         if not keys or (wanted is not None and keys[0] not in wanted):
             continue
         owner = max((m for m in module_calls if keys[offset : offset + len(m)] == m), key=len, default=None)
-        if owner is None or owner not in participating:
+        if (owner is None and not whole) or (owner is not None and owner not in participating):
             continue
         if offset == 0 and vid in variable_set:
             continue  # unchanged: nothing to write back (NNX)

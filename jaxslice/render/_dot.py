@@ -22,8 +22,17 @@ NO_DOT = (
 _IN, _OUT = "#dbe9ff", "#f2f2f2"
 
 
-def _q(text: str) -> str:
-    return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"') + '"'
+def _esc(text: Any) -> str:
+    return str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+
+
+def _q(text: Any) -> str:
+    return '"' + _esc(text) + '"'
+
+
+def _label(*lines: Any) -> str:
+    """A quoted DOT label of several lines, each escaped, joined by DOT's line break."""
+    return '"' + "\\n".join(_esc(line) for line in lines) + '"'
 
 
 def _fmt(value: Any) -> str:
@@ -56,14 +65,12 @@ def to_dot(dag: nx.DiGraph, *, annotations: dict[str, Any] | None = None, title:
     def node_line(name: str, attrs: dict[str, Any], indent: str) -> str:
         if name in (INPUTS, OUTPUT):
             return f"{indent}{_q(name)} [shape=oval, fillcolor=white];"
-        label = f"{name}\\n{attrs['module_type']}"
-        if attrs.get("params"):
-            label += f" ({attrs['params']:,} params)"
+        lines = [name, attrs["module_type"] + (f" ({attrs['params']:,} params)" if attrs.get("params") else "")]
         if name in annotations:
-            label += f"\\n{_fmt(annotations[name])}"
+            lines.append(_fmt(annotations[name]))
         color = _IN if attrs.get("in_slice", True) else _OUT
         font = "black" if attrs.get("in_slice", True) else "gray40"
-        return f'{indent}{_q(name)} [label="{label}", fillcolor="{color}", fontcolor={font}];'
+        return f'{indent}{_q(name)} [label={_label(*lines)}, fillcolor="{color}", fontcolor={font}];'
 
     def emit(parent: str | None, indent: str) -> None:
         for name, is_container in children.get(parent, []):
