@@ -134,6 +134,11 @@ def call_body(eqn: Any) -> Any | None:
     return jaxpr, consts
 
 
+def has_effects(eqn: Any) -> bool:
+    """Whether an equation has side effects (debug callbacks, io callbacks, ...)."""
+    return bool(getattr(eqn, "effects", None))
+
+
 def primitive_name(eqn: Any) -> str:
     return str(eqn.primitive.name)
 

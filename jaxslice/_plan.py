@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from . import _cut
+from . import _compat, _cut
 from ._errors import DisconnectedError, InvalidSpecError, MissingInputError
 from ._graph import Call, Graph, Slot, describe_aval
 from ._markers import INPUT, OUTPUT
@@ -237,6 +237,7 @@ def plan(
             result = _cut.cut(
                 program, graph.producer, set(input_ids), graph.is_free, output_ids + tuple(v for _, v in state_pairs)
             )
+    result = _keep_effects(graph, result, set(input_ids))
     result, program_eqns = _fold_regions(graph, program, result, set(input_ids), output_ids + tuple(v for _, v in state_pairs))
     used = result.used_free
     var_pairs = [(v, p) for v, p in zip(graph.variable_ids, graph.variable_paths, strict=True) if v in used]
@@ -257,6 +258,27 @@ def plan(
         state_collections=collections,
         program=tuple(program_eqns),
     )
+
+
+def _keep_effects(graph: Graph, result: _cut.Cut, starts: set[int]) -> _cut.Cut:
+    """Adds side-effecting equations (``jax.debug.print``, callbacks) that sit inside the
+    slice, so a slice runs them as the model does, although no output needs them."""
+    if not result.eqns:
+        return result
+    first, last = result.eqns[0], result.eqns[-1]
+    needed = set(result.eqns)
+    available = set(starts) | {v for i in needed for v in graph.eqns[i].outs}
+    extra = [
+        i
+        for i in range(first, last + 1)
+        if i not in needed
+        and _compat.has_effects(graph.eqns[i].jax_eqn)
+        and all(v in available or graph.is_free(v) for v in graph.eqns[i].ins)
+    ]
+    if not extra:
+        return result
+    used_free = set(result.used_free) | {v for i in extra for v in graph.eqns[i].ins if graph.is_free(v)}
+    return dataclasses.replace(result, eqns=tuple(sorted(needed | set(extra))), used_free=frozenset(used_free))
 
 
 def _fold_regions(
