@@ -233,5 +233,14 @@ def _eqn_ctx(eqn: Any) -> Any:
     return manager if manager is not None else contextlib.nullcontext()
 
 
+def current_trace() -> Any:
+    """The innermost active trace (an opaque token), or None where it cannot be read.
+
+    `jax._src.core.trace_ctx` exists since JAX 0.4.36 (the "stackless" core).
+    """
+    ctx = getattr(_core, "trace_ctx", None)
+    return getattr(ctx, "trace", None) if ctx is not None else None
+
+
 def is_tracer(x: Any) -> bool:
     return isinstance(x, _core.Tracer)

@@ -126,6 +126,7 @@ class Graph:
     state_ids: list[int] = dataclasses.field(default_factory=list)
     calls: list[Call] = dataclasses.field(default_factory=list)
     regions: list[Region] = dataclasses.field(default_factory=list)
+    partial: bool = False  # traced only up to a slice's ends (no model output)
     producer: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def new_value(self, aval: Any) -> int:

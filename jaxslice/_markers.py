@@ -57,6 +57,57 @@ _LOCK = threading.Lock()
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxslice_marking", default=False)
 
 
+class StopTracing(BaseException):
+    """Raised once every end of a slice has been computed, to skip the rest of the model.
+
+    A BaseException, so model code that catches ``Exception`` does not swallow it.
+    Adapters may attach the model's state at that point (``state``).
+    """
+
+    state: Any = None
+
+
+class StopRule:
+    """Stops a trace when the calls an early-ending slice needs have all returned.
+
+    `needs` maps a boundary name (``path`` or ``path.method``) to how many of its calls
+    must have returned. Only calls made by the top-level trace count: a call inside a
+    jitted function or a loop body cannot end the trace there.
+    """
+
+    def __init__(self, needs: dict[str, int]):
+        self.needs = dict(needs)
+        self.seen: dict[str, int] = {}
+        self.top: Any = None
+        self.stopped = False
+
+    def returned(self, record: CallRecord) -> None:
+        if record.kind not in ("linen", "nnx"):
+            return
+        name = "/".join(record.path) + ("" if record.method == "__call__" else f".{record.method}")
+        self.seen[name] = self.seen.get(name, 0) + 1
+        if name not in self.needs or self.top is None or _compat.current_trace() is not self.top:
+            return
+        if all(self.seen.get(n, 0) >= k for n, k in self.needs.items()):
+            self.stopped = True
+            raise StopTracing()
+
+
+_STOP: contextvars.ContextVar[StopRule | None] = contextvars.ContextVar("jaxslice_stop", default=None)
+
+
+@contextlib.contextmanager
+def stopping(rule: StopRule | None) -> Iterator[None]:
+    """Lets `rule` end the trace early (it records the trace it starts in)."""
+    if rule is not None:
+        rule.top = _compat.current_trace()
+    token = _STOP.set(rule)
+    try:
+        yield
+    finally:
+        _STOP.reset(token)
+
+
 def lookup(record_id: int) -> CallRecord:
     return _RECORDS[record_id]
 
@@ -134,4 +185,7 @@ def call_marked(
     record.in_tree, record.in_is_array = _mark_side(record, INPUT, (args, kwargs))
     out = fn(*args, **kwargs)
     record.out_tree, record.out_is_array = _mark_side(record, OUTPUT, out)
+    rule = _STOP.get()
+    if rule is not None:
+        rule.returned(record)
     return out

@@ -45,7 +45,7 @@ def slice(target: Any, *args: Any, start: Any = None, end: Any = None, **kwargs:
     >>> sorted(head.variables["params"])
     ['layers_2']
     """
-    traced = _trace.trace(target, args, kwargs)
+    traced = _trace.trace(target, args, kwargs, stop_at=_trace.stop_specs(start, end))
     engine = Sliced(traced, start, end)
     if traced.adapter.kind == "nnx":
         from ._nnx_module import SlicedModule

@@ -216,9 +216,15 @@ class Sliced:
         from . import _listing
         from .render import module_graph
 
-        traced = self._base.traced
+        entry = self._base
+        if entry.traced.graph.partial:  # traced only up to the ends: draw the whole model
+            if getattr(self, "_full", None) is None:
+                full = _trace.trace_split(entry.traced.adapter, entry.traced.target, entry.traced.split)
+                self._full = _make_entry(full, self.start, self.end)
+            entry = self._full
+        traced = entry.traced
         params = {b.name: b.param_count for b in _listing.describe(traced)}
-        in_slice = None if whole else set(self._base.plan.cut.eqns)
+        in_slice = None if whole else set(entry.plan.cut.eqns)
         return module_graph(traced.graph, depth=depth, parameters=params, in_slice=in_slice)
 
     def to_networkx(self, depth: int | None = None) -> Any:
@@ -347,7 +353,8 @@ class Sliced:
         new_split = dataclasses.replace(
             split, args=new_args, kwargs=new_kwargs, mode=mode, rngs=rngs, mutable=mutable
         )
-        traced = _trace.trace_split(base.traced.adapter, base.traced.target, new_split)
+        stop_at = _trace.stop_specs(self.start, self.end)
+        traced = _trace.trace_split(base.traced.adapter, base.traced.target, new_split, stop_at)
         entry = _make_entry(traced, self.start, self.end)
         got = self._traced_input_avals(entry)
         if base.plan.starts is not None and _shapes(got) != _shapes(avals):

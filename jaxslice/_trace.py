@@ -9,6 +9,7 @@ strings, flags) is fixed by the trace, like a static argument of `jax.jit`. Leav
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -55,13 +56,100 @@ def _merge(mask: list[bool], arrays: list[Any], statics: list[Any]) -> list[Any]
     return [next(a) if m else next(s) for m in mask]
 
 
-def trace(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
+def stop_specs(start: Any, end: Any) -> list[Any] | None:
+    """The names a trace must reach for a slice from `start` to `end` (None: everything)."""
+    if end is None:
+        return None
+    ends = [end] if isinstance(end, str) else list(end.values()) if isinstance(end, dict) else end
+    if not isinstance(ends, (list, tuple)):
+        return None
+    starts = [] if start is None else [start] if isinstance(start, str) else start
+    if not isinstance(starts, (list, tuple)):
+        return None
+    return [s for s in starts if s is not None] + list(ends)
+
+
+def trace(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], stop_at: Any = None) -> Traced:
     adapter = adapter_for(target)
     split = adapter.split(target, args, kwargs)
-    return trace_split(adapter, target, split)
+    return trace_split(adapter, target, split, stop_at)
 
 
-def trace_split(adapter: Adapter, target: Any, split: Split) -> Traced:
+# Call counts per boundary name of models already traced in full, so that a later trace
+# can stop early without hiding a repeated call (a bare name must stay ambiguous).
+_CALL_COUNTS: collections.OrderedDict[Any, dict[str, int]] = collections.OrderedDict()
+_CALL_COUNTS_SIZE = 64
+
+
+def _counts_key(adapter: Adapter, target: Any, split: Split) -> Any:
+    try:
+        structure = adapter.structure_key(target)
+        if structure is None:
+            structure = target
+        leaves = jax.tree_util.tree_leaves((split.args, split.kwargs))
+        key = (
+            adapter.kind,
+            structure,
+            tuple((tuple(jax.numpy.shape(x)), str(x.dtype)) if is_traced_leaf(x) else x for x in leaves),
+            tuple(sorted(split.mode.items())),
+        )
+        hash(key)
+        return key
+    except Exception:  # unhashable targets or arguments: no early stopping for them
+        return None
+
+
+def _remember_counts(key: Any, graph: _graph.Graph) -> None:
+    if key is None or graph.partial:
+        return
+    counts: dict[str, int] = {}
+    for call in graph.calls:
+        counts[call.name] = counts.get(call.name, 0) + 1
+    _CALL_COUNTS[key] = counts
+    _CALL_COUNTS.move_to_end(key)
+    while len(_CALL_COUNTS) > _CALL_COUNTS_SIZE:
+        _CALL_COUNTS.popitem(last=False)
+
+
+def stop_rule(adapter: Adapter, target: Any, split: Split, ends: Any) -> _markers.StopRule | None:
+    """How to end a trace early for these ends, or None to trace the whole model.
+
+    Only named ends of linen and NNX models qualify (their names are known at call time),
+    and not when linen state updates are asked for (linen returns them only at the end).
+    A name with a call index (``name@k``) stops after that call. A bare name stops after
+    its call only if the same model, traced in full before with these input shapes and
+    mode, called that module exactly once; otherwise the whole model is traced, so a
+    repeated call is still reported as ambiguous.
+    """
+    if ends is None or adapter.kind not in ("linen", "nnx"):
+        return None
+    if adapter.kind == "linen" and split.mutable:
+        return None
+    if isinstance(ends, str):
+        ends = [ends]
+    elif isinstance(ends, dict):
+        ends = list(ends.values())
+    elif not isinstance(ends, (list, tuple)):
+        return None
+    from ._names import parse
+
+    known = None
+    needs: dict[str, int] = {}
+    for spec in ends:
+        if not isinstance(spec, str):
+            return None
+        base, index, _ = parse(spec)
+        if index is None:
+            if known is None:
+                key = _counts_key(adapter, target, split)
+                known = _CALL_COUNTS.get(key, {}) if key is not None else {}
+            if known.get(base) != 1:
+                return None
+        needs[base] = max(needs.get(base, 0), (index or 0) + 1)
+    return _markers.StopRule(needs)
+
+
+def trace_split(adapter: Adapter, target: Any, split: Split, stop_at: Any = None) -> Traced:
     var_flat, rebuild_variables = adapter.flatten_variables(split.variables)
     var_mask = [is_traced_leaf(x) for _, x in var_flat]
     var_arrays = [x for (_, x), m in zip(var_flat, var_mask, strict=True) if m]
@@ -79,10 +167,15 @@ def trace_split(adapter: Adapter, target: Any, split: Split) -> Traced:
         variables = rebuild_variables(_merge(var_mask, var_a, var_statics))
         rngs = jax.tree_util.tree_unflatten(rng_tree, _merge(rng_mask, rng_a, rng_statics))
         call_args, call_kwargs = jax.tree_util.tree_unflatten(in_tree, _merge(in_mask, in_a, in_statics))
-        with _markers.marking():
-            out, state = adapter.call(
-                target, variables, rngs, call_args, {**call_kwargs, **split.mode}, split.mutable
-            )
+        rule = stop_rule(adapter, target, split, stop_at)
+        try:
+            with _markers.marking(), _markers.stopping(rule):
+                out, state = adapter.call(
+                    target, variables, rngs, call_args, {**call_kwargs, **split.mode}, split.mutable
+                )
+        except _markers.StopTracing as stop:
+            out_info["partial"] = True
+            out, state = (), stop.state
         leaves, treedef = jax.tree_util.tree_flatten(out)
         mask = [is_traced_leaf(x) for x in leaves]
         out_info["tree"] = treedef
@@ -108,6 +201,8 @@ def trace_split(adapter: Adapter, target: Any, split: Split) -> Traced:
         state_paths=out_info["state_paths"],
         name_scopes=adapter.name_scopes,
     )
+    graph.partial = out_info.get("partial", False)
+    _remember_counts(_counts_key(adapter, target, split), graph)
     return Traced(
         graph=graph,
         adapter=adapter,

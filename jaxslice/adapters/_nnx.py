@@ -183,8 +183,13 @@ class NNXAdapter(Adapter):
         from flax import nnx
 
         model, graphdef = variables
-        with marked_calls(model):
-            out = model(*args, **kwargs)
+        try:
+            with marked_calls(model):
+                out = model(*args, **kwargs)
+        except _markers.StopTracing as stop:
+            # Ending early: the state so far is what the slice may have updated.
+            stop.state = [(path, get_value(v)) for path, v in flat_state(nnx.split(model)[1])]
+            raise
         after, state = nnx.split(model)
         if after != graphdef:
             raise AttributeMutationError(AttributeMutationError.TEMPLATE.format(detail=_diff(graphdef, after)))
