@@ -1,0 +1,1090 @@
+"""Differential fuzzing of linen slicing (in the spirit of NNSmith).
+
+A seeded generator builds random, valid linen models: a small DAG of blocks (Dense,
+Conv on an image input, BatchNorm, LayerNorm, identity modules, deterministic dropout,
+modules returning tuples, modules taking a keyword argument, a shared module called
+several times, a module with methods other than ``__call__``, nested blocks written in
+``compact`` or ``setup`` style, residual adds, concatenations, skips from earlier
+blocks) with one or more outputs (an array, a tuple or a dict).
+
+The oracle never asks jaxslice anything. The generated model records, while Flax runs it
+(jitted), every value it computes under an id of the generator's own value DAG: which
+values each value is computed from, which values each module call receives and
+returns. Flax's ``capture_intermediates`` gives every call's output independently. From
+that DAG alone the tests decide whether a ``(start, end)`` pair is a valid slice (the
+start's values cut every path from the model's inputs to the end, and every end
+depends on the start) and what it must return. Then:
+
+1. every boundary's output (and input, through ``name:input``) from slices of the whole
+   model equals the recorded value; random valid ``(start, end)`` pairs, fed the
+   start's recorded values, reproduce the end's recorded value;
+2. ``slice(a, b)(slice(None, a)(x)) == slice(None, b)(x)``;
+3. pairs that are not valid slices (the end does not depend on the start, or needs a
+   value from before the start that is not given) raise `js.SliceError`, never return.
+
+A few models run by default. The large run (hundreds of models) runs only when
+selected: ``pytest -m fuzz_large tests/test_fuzz.py`` (or ``JAXSLICE_FUZZ_LARGE=1``);
+``JAXSLICE_FUZZ_N`` sets how many models, ``JAXSLICE_FUZZ_SEED0`` the first seed and
+``JAXSLICE_FUZZ_SEEDS=3,17`` replays chosen seeds. A failing model's seed is in the
+failure message; ``describe(generate(seed))`` prints its source-like description.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import time
+import traceback
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_trees_all_close, random_variables
+
+import jaxslice as js
+
+B = 2  # batch
+HW = 4  # image height and width
+IMG_IN_CHANNELS = 3
+ATOL = RTOL = 1e-4
+
+# --------------------------------------------------------------------------- model specs
+#
+# A graph spec is a list of ops over a local environment of values: the graph's inputs
+# first, then each op's outputs in order. Op kinds:
+#   module ops (each call is a boundary):
+#     dense, conv, bn (BatchNorm, eval), ln (LayerNorm), ident (returns its input),
+#     dropout (deterministic: returns its input), pair (returns a tuple), merge (two
+#     arguments, the second maybe by keyword), block (a nested graph), shared (a call
+#     of a shared instance), method (``coder.encode``/``coder.decode``)
+#   glue ops (plain jnp, no boundary): add, mul, act, concat, pool
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    kind: str
+    ins: tuple[int, ...]
+    name: str | None = None  # module name (module ops)
+    variant: int = 0
+    keyword: bool = False  # merge: second argument by keyword
+    sub: Any = None  # block: its GraphSpec
+    ref: str | None = None  # shared/method: the instance's name
+    method: str = "__call__"
+
+
+@dataclasses.dataclass(frozen=True)
+class Instance:
+    """A module instance called by several ops."""
+
+    name: str
+    kind: str  # "dense", "block" or "coder"
+    sub: Any = None  # block: its GraphSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSpec:
+    features: int
+    n_in: int
+    ops: tuple[Op, ...]
+    out: tuple[int, ...]
+    out_form: str  # "single", "tuple" or "dict"
+    style: str  # "compact" or "setup"
+    instances: tuple[Instance, ...] = ()
+
+
+# --------------------------------------------------------------------------- recording
+#
+# While the oracle runs the model, `_REC` holds a Recorder; otherwise (init, jaxslice's
+# traces) it is None and the model computes exactly the same thing without recording.
+
+
+@dataclasses.dataclass
+class CallRec:
+    base: str  # path, or path.method
+    index: int  # call index among calls of `base`
+    args: list[int]  # value ids of the positional arguments
+    kwargs: dict[str, int]  # value ids of keyword arguments
+    out: Any = None  # value id, or tuple of ids
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.values: dict[int, Any] = {}
+        self.parents: dict[int, tuple[int, ...]] = {}
+        self.model_inputs: list[int] = []
+        self.calls: list[CallRec] = []
+        self.counts: dict[str, int] = {}
+        self.arg_stack: list[Any] = []
+        self.result_stack: list[Any] = []
+        self.model_out: Any = None
+
+    def new(self, value: Any, parents: tuple[int, ...]) -> int:
+        vid = len(self.parents)
+        self.parents[vid] = tuple(parents)
+        self.values[vid] = value
+        return vid
+
+
+_REC: Recorder | None = None
+
+
+@contextlib.contextmanager
+def recording(rec: Recorder):
+    global _REC
+    previous, _REC = _REC, rec
+    try:
+        yield
+    finally:
+        _REC = previous
+
+
+class V:
+    """A value of the model with its id in the generator's DAG (None when not recording)."""
+
+    __slots__ = ("id", "value")
+
+    def __init__(self, id: int | None, value: Any):
+        self.id = id
+        self.value = value
+
+
+def _glue(value: Any, parents: list[V]) -> V:
+    if _REC is None:
+        return V(None, value)
+    return V(_REC.new(value, tuple(p.id for p in parents)), value)
+
+
+def _invoke(module: nn.Module, base: str, method: str, args: list[V], kwargs: dict[str, V], how: str) -> Any:
+    """Calls a submodule method; returns its result as a V or a tuple of Vs.
+
+    `how` says what the generator knows about the result: "new" (a new value computed
+    from all the arguments), "same" (the first argument itself) or "custom" (the callee
+    records its own values and leaves the result's ids on the result stack).
+    """
+    fn = getattr(module, method)
+    raw_args = [a.value for a in args]
+    raw_kwargs = {k: v.value for k, v in kwargs.items()}
+    rec = _REC
+    if rec is None:
+        out = fn(*raw_args, **raw_kwargs)
+        return tuple(V(None, o) for o in out) if isinstance(out, tuple) else V(None, out)
+    k = rec.counts.get(base, 0)
+    rec.counts[base] = k + 1
+    call = CallRec(base, k, [a.id for a in args], {n: v.id for n, v in kwargs.items()})
+    rec.calls.append(call)
+    if how == "custom":
+        rec.arg_stack.append((call.args, call.kwargs))
+    out = fn(*raw_args, **raw_kwargs)
+    if how == "new":
+        ids = rec.new(out, tuple(call.args) + tuple(call.kwargs.values()))
+    elif how == "same":
+        ids = call.args[0]
+    else:
+        ids = rec.result_stack.pop()
+    call.out = ids
+    if isinstance(out, tuple):
+        return tuple(V(i, o) for i, o in zip(ids, out, strict=True))
+    return V(ids, out)
+
+
+def _custom_args(values: tuple[Any, ...]) -> list[V]:
+    if _REC is None:
+        return [V(None, v) for v in values]
+    ids, kw = _REC.arg_stack.pop()
+    ids = list(ids) + list(kw.values())
+    return [V(i, v) for i, v in zip(ids, values, strict=True)]
+
+
+def _custom_return(result: Any) -> Any:
+    """Leaves the result's ids for `_invoke` and returns the plain values."""
+    if isinstance(result, tuple):
+        if _REC is not None:
+            _REC.result_stack.append(tuple(r.id for r in result))
+        return tuple(r.value for r in result)
+    if _REC is not None:
+        _REC.result_stack.append(result.id)
+    return result.value
+
+
+def _path(module: nn.Module) -> tuple[str, ...]:
+    return tuple(str(p) for p in module.scope.path)
+
+
+def _join(module: nn.Module, name: str, method: str = "__call__") -> str:
+    base = "/".join(_path(module) + (name,))
+    return base if method == "__call__" else f"{base}.{method}"
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class Identity(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x
+
+
+class Pair(nn.Module):
+    """Returns a tuple: (a(x), sin(b(x))), or (x, a(x)) when `passthrough`."""
+
+    features: int
+    passthrough: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        (x,) = _custom_args((x,))
+        a = _invoke(nn.Dense(self.features, name="a"), _join(self, "a"), "__call__", [x], {}, "new")
+        if self.passthrough:
+            return _custom_return((x, a))
+        b = _invoke(nn.Dense(self.features, name="b"), _join(self, "b"), "__call__", [x], {}, "new")
+        return _custom_return((a, _glue(jnp.sin(b.value), [b])))
+
+
+class Merge(nn.Module):
+    """fc(concat(x, other)); `other` may come by keyword."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x, other):
+        x, other = _custom_args((x, other))
+        cat = _glue(jnp.concatenate([x.value, other.value], axis=-1), [x, other])
+        out = _invoke(nn.Dense(self.features, name="fc"), _join(self, "fc"), "__call__", [cat], {}, "new")
+        return _custom_return(out)
+
+
+class Coder(nn.Module):
+    """A module with methods other than ``__call__`` (setup style)."""
+
+    features: int
+
+    def setup(self):
+        self.enc = nn.Dense(self.features)
+        self.dec = nn.Dense(self.features)
+
+    def encode(self, x):
+        (x,) = _custom_args((x,))
+        h = _invoke(self.enc, _join(self, "enc"), "__call__", [x], {}, "new")
+        return _custom_return(_glue(jnp.tanh(h.value), [h]))
+
+    def decode(self, z):
+        (z,) = _custom_args((z,))
+        return _custom_return(_invoke(self.dec, _join(self, "dec"), "__call__", [z], {}, "new"))
+
+    def __call__(self, x):
+        (x,) = _custom_args((x,))
+        base = "/".join(_path(self))
+        h = _invoke(self, f"{base}.encode", "encode", [x], {}, "custom")
+        return _custom_return(_invoke(self, f"{base}.decode", "decode", [h], {}, "custom"))
+
+
+def _make(op_or_inst: Any, features: int, name: str | None) -> nn.Module:
+    kind = op_or_inst.kind
+    kw = {} if name is None else {"name": name}
+    if kind == "dense":
+        return nn.Dense(features, **kw)
+    if kind == "conv":
+        return nn.Conv(features, (3, 3), **kw)
+    if kind == "bn":
+        return nn.BatchNorm(use_running_average=True, **kw)
+    if kind == "ln":
+        return nn.LayerNorm(**kw)
+    if kind == "ident":
+        return Identity(**kw)
+    if kind == "dropout":
+        return nn.Dropout(0.5, deterministic=True, **kw)
+    if kind == "pair":
+        return Pair(features, passthrough=bool(op_or_inst.variant), **kw)
+    if kind == "merge":
+        return Merge(features, **kw)
+    if kind == "block":
+        return block_module(op_or_inst.sub, name)
+    if kind == "coder":
+        return Coder(features, **kw)
+    raise AssertionError(kind)
+
+
+_HOW = {
+    "dense": "new",
+    "conv": "new",
+    "bn": "new",
+    "ln": "new",
+    "ident": "same",
+    "dropout": "same",
+    "pair": "custom",
+    "merge": "custom",
+    "block": "custom",
+    "coder": "custom",
+}
+
+
+def _run_graph(self: nn.Module, spec: GraphSpec, inputs: list[V], get: Any) -> Any:
+    env: list[Any] = list(inputs)
+    instances = {i.name: i for i in spec.instances}
+    for op in spec.ops:
+        ins = [env[i] for i in op.ins]
+        kind = op.kind
+        if kind == "add":
+            env.append(_glue(ins[0].value + ins[1].value, ins))
+        elif kind == "mul":
+            env.append(_glue(ins[0].value * jnp.tanh(ins[1].value), ins))
+        elif kind == "act":
+            fn = (jnp.tanh, jax.nn.relu, jnp.sin)[op.variant]
+            env.append(_glue(fn(ins[0].value), ins))
+        elif kind == "concat":
+            env.append(_glue(jnp.concatenate([ins[0].value, ins[1].value], axis=-1), ins))
+        elif kind == "pool":
+            env.append(_glue(jnp.mean(ins[0].value, axis=(1, 2)), ins))
+        elif kind in ("shared", "method"):
+            inst = instances[op.ref]
+            how = _HOW[inst.kind]
+            out = _invoke(get(inst), _join(self, inst.name, op.method), op.method, ins, {}, how)
+            env.extend(out if isinstance(out, tuple) else [out])
+        else:
+            args, kwargs = ins, {}
+            if kind == "merge" and op.keyword:
+                args, kwargs = ins[:1], {"other": ins[1]}
+            out = _invoke(get(op), _join(self, op.name), "__call__", args, kwargs, _HOW[kind])
+            env.extend(out if isinstance(out, tuple) else [out])
+    outs = [env[i] for i in spec.out]
+    if spec.out_form == "single":
+        return outs[0]
+    if spec.out_form == "tuple":
+        return tuple(outs)
+    return {f"out{i}": o for i, o in enumerate(outs)}
+
+
+def _is_v(x: Any) -> bool:
+    return isinstance(x, V)
+
+
+def _enter(self: nn.Module, xs: tuple[Any, ...]) -> list[V]:
+    rec = _REC
+    if rec is None:
+        return [V(None, x) for x in xs]
+    if not _path(self):  # the model itself
+        ids = [rec.new(x, ()) for x in xs]
+        rec.model_inputs = ids
+        return [V(i, x) for i, x in zip(ids, xs, strict=True)]
+    return _custom_args(xs)
+
+
+def _leave(self: nn.Module, result: Any) -> Any:
+    if not _path(self):
+        if _REC is not None:
+            _REC.model_out = jax.tree_util.tree_map(lambda r: r.id, result, is_leaf=_is_v)
+        return jax.tree_util.tree_map(lambda r: r.value, result, is_leaf=_is_v)
+    if isinstance(result, dict):
+        raise AssertionError("nested blocks return an array or a tuple")
+    return _custom_return(result)
+
+
+class CompactBlock(nn.Module):
+    spec: GraphSpec
+
+    @nn.compact
+    def __call__(self, *xs):
+        made: dict[str, nn.Module] = {}
+
+        def get(item: Any) -> nn.Module:
+            name = item.name if isinstance(item, Instance) else item.name
+            if name not in made:
+                made[name] = _make(item, self.spec.features, name)
+            return made[name]
+
+        return _leave(self, _run_graph(self, self.spec, _enter(self, xs), get))
+
+
+class SetupBlock(nn.Module):
+    spec: GraphSpec
+
+    def setup(self):
+        for op in self.spec.ops:
+            if op.name is not None:
+                setattr(self, op.name, _make(op, self.spec.features, None))
+        for inst in self.spec.instances:
+            setattr(self, inst.name, _make(inst, self.spec.features, None))
+
+    def __call__(self, *xs):
+        get = lambda item: getattr(self, item.name)  # noqa: E731
+        return _leave(self, _run_graph(self, self.spec, _enter(self, xs), get))
+
+
+def block_module(spec: GraphSpec, name: str | None = None) -> nn.Module:
+    cls = CompactBlock if spec.style == "compact" else SetupBlock
+    return cls(spec) if name is None else cls(spec, name=name)
+
+
+# --------------------------------------------------------------------------- generator
+
+
+class _Gen:
+    def __init__(self, rng: random.Random, features: int):
+        self.rng = rng
+        self.d = features
+
+    def pick(self, kinds: list[str], allowed: set[str]) -> int | None:
+        """A value index of an allowed kind, biased towards recent values."""
+        cands = [i for i, k in enumerate(kinds) if k in allowed]
+        if not cands:
+            return None
+        if self.rng.random() < 0.6:
+            return cands[-1]
+        if self.rng.random() < 0.5:
+            return cands[max(0, len(cands) - 3) + self.rng.randrange(min(3, len(cands)))]
+        return self.rng.choice(cands)
+
+    def graph(self, in_kinds: list[str], n_ops: int, depth: int, top: bool) -> GraphSpec:
+        rng = self.rng
+        kinds = list(in_kinds)
+        ops: list[Op] = []
+        instances: list[Instance] = []
+        style = rng.choice(["compact", "setup"])
+        counter = [0]
+
+        def fresh(prefix: str) -> str:
+            counter[0] += 1
+            return f"{prefix}{counter[0]}"
+
+        def emit(op: Op, out_kinds: list[str]) -> None:
+            ops.append(op)
+            kinds.extend(out_kinds)
+
+        # An image input goes through a conv and a pooling into the vector stream.
+        if "img3" in kinds:
+            i = kinds.index("img3")
+            emit(Op("conv", (i,), name=fresh("conv")), ["img"])
+            if rng.random() < 0.5:
+                emit(Op("bn", (len(kinds) - 1,), name=fresh("bn")), ["img"])
+            if rng.random() < 0.4:
+                emit(Op("conv", (len(kinds) - 1,), name=fresh("conv")), ["img"])
+            emit(Op("pool", (len(kinds) - 1,)), ["vec"])
+            if "vec" in kinds[:-1]:
+                emit(Op("add", (kinds.index("vec"), len(kinds) - 1)), ["vec"])
+
+        shared: Instance | None = None
+        if rng.random() < 0.5:
+            what = rng.choice(["dense", "block", "coder"] if depth < 2 else ["dense", "coder"])
+            sub = self.graph(["vec"], rng.randint(1, 3), depth + 1, False) if what == "block" else None
+            if sub is not None and (len(sub.out) != 1):
+                sub = dataclasses.replace(sub, out=sub.out[:1], out_form="single")
+            shared = Instance(fresh("shared") if what != "coder" else fresh("coder"), what, sub)
+        used_shared = 0
+
+        weights = {
+            "dense": 5, "conv": 2, "bn": 1, "ln": 1, "ident": 2, "dropout": 1, "pair": 2,
+            "merge": 2, "block": 2 if depth < 2 else 0, "shared": 4 if shared else 0,
+            "add": 3, "mul": 1, "act": 3, "concat": 1, "pool": 1,
+        }
+        for _ in range(n_ops):
+            kind = rng.choices(list(weights), weights=list(weights.values()))[0]
+            vec = self.pick(kinds, {"vec"})
+            if kind == "dense":
+                i = self.pick(kinds, {"vec", "wide"})
+                emit(Op("dense", (i,), name=fresh("dense")), ["vec"])
+            elif kind == "conv":
+                i = self.pick(kinds, {"img", "img3"})
+                if i is not None:
+                    emit(Op("conv", (i,), name=fresh("conv")), ["img"])
+            elif kind == "bn":
+                i = self.pick(kinds, {"vec", "img"})
+                emit(Op("bn", (i,), name=fresh("bn")), [kinds[i]])
+            elif kind in ("ln", "dropout"):
+                emit(Op(kind, (vec,), name=fresh(kind)), ["vec"])
+            elif kind == "ident":
+                i = self.pick(kinds, {"vec", "wide", "img"})
+                emit(Op("ident", (i,), name=fresh("ident")), [kinds[i]])
+            elif kind == "pair":
+                emit(Op("pair", (vec,), name=fresh("pair"), variant=int(rng.random() < 0.3)), ["vec", "vec"])
+            elif kind == "merge":
+                a, b = self.pick(kinds, {"vec", "wide"}), self.pick(kinds, {"vec", "wide"})
+                if rng.random() < 0.85 and a == b:
+                    b = self.pick(kinds, {"vec", "wide"})
+                emit(Op("merge", (a, b), name=fresh("merge"), keyword=rng.random() < 0.4), ["vec"])
+            elif kind == "block":
+                n_in = 1 if rng.random() < 0.6 else 2
+                ins = [vec] + [self.pick(kinds, {"vec"}) for _ in range(n_in - 1)]
+                sub = self.graph(["vec"] * n_in, rng.randint(1, 4), depth + 1, False)
+                emit(Op("block", tuple(ins), name=fresh("block"), sub=sub), ["vec"] * len(sub.out))
+            elif kind == "shared" and shared is not None:
+                used_shared += 1
+                if shared.kind == "coder":
+                    method = rng.choice(["encode", "decode", "__call__"])
+                    emit(Op("method", (vec,), ref=shared.name, method=method), ["vec"])
+                else:
+                    emit(Op("shared", (vec,), ref=shared.name), ["vec"])
+            elif kind == "add":
+                i = self.pick(kinds, {"vec", "img"})
+                j = self.rng.choice([n for n, k in enumerate(kinds) if k == kinds[i]])
+                emit(Op("add", (i, j)), [kinds[i]])
+            elif kind == "mul":
+                j = self.rng.choice([n for n, k in enumerate(kinds) if k == "vec"])
+                emit(Op("mul", (vec, j)), ["vec"])
+            elif kind == "act":
+                i = self.pick(kinds, {"vec", "wide", "img"})
+                emit(Op("act", (i,), variant=rng.randrange(3)), [kinds[i]])
+            elif kind == "concat":
+                j = self.rng.choice([n for n, k in enumerate(kinds) if k == "vec"])
+                emit(Op("concat", (vec, j)), ["wide"])
+            elif kind == "pool":
+                i = self.pick(kinds, {"img"})
+                if i is not None:
+                    emit(Op("pool", (i,)), ["vec"])
+        if shared is not None and used_shared:
+            if used_shared == 1:  # a shared module is called at least twice
+                ref = next(op for op in ops if op.ref == shared.name)
+                emit(dataclasses.replace(ref, ins=(self.pick(kinds, {"vec"}),)), ["vec"])
+            instances.append(shared)
+        # Outputs: the last vector value, maybe with others.
+        vecs = [i for i, k in enumerate(kinds) if k == "vec"]
+        out = [vecs[-1]]
+        n_out = rng.choice([1, 1, 2, 3] if top else [1, 1, 2])
+        others = [i for i in range(len(kinds)) if i != vecs[-1] and (top or kinds[i] == "vec")]
+        rng.shuffle(others)
+        out += others[: n_out - 1]
+        if len(out) == 1:
+            form = "single" if (not top or rng.random() < 0.7) else rng.choice(["tuple", "dict"])
+        else:
+            form = "tuple" if not top else rng.choice(["tuple", "dict"])
+        return GraphSpec(self.d, len(in_kinds), tuple(ops), tuple(out), form, style, tuple(instances))
+
+
+@dataclasses.dataclass
+class Generated:
+    seed: int
+    spec: GraphSpec
+    model: nn.Module
+    inputs: tuple[Any, ...]
+
+
+def generate(seed: int) -> Generated:
+    rng = random.Random(seed)
+    d = rng.randint(4, 8)
+    in_kinds = rng.choice([["vec"], ["vec"], ["vec", "img3"], ["img3"]])
+    spec = _Gen(rng, d).graph(in_kinds, rng.randint(4, 10), 0, True)
+    nrng = np.random.default_rng(seed)
+    shapes = {"vec": (B, d), "img3": (B, HW, HW, IMG_IN_CHANNELS)}
+    inputs = tuple(jnp.asarray(nrng.normal(size=shapes[k]), jnp.float32) for k in in_kinds)
+    return Generated(seed, spec, block_module(spec), inputs)
+
+
+def describe(g: Generated) -> str:
+    """The model as text, for failure messages and bug reports."""
+
+    def graph(spec: GraphSpec, indent: str) -> list[str]:
+        lines = [f"{indent}[{spec.style}, features={spec.features}, inputs v0..v{spec.n_in - 1}]"]
+        for inst in spec.instances:
+            lines.append(f"{indent}instance {inst.name} = {inst.kind}")
+            if inst.sub is not None:
+                lines += graph(inst.sub, indent + "    ")
+        n = spec.n_in
+        for op in spec.ops:
+            n_out = len(op.sub.out) if op.kind == "block" else 2 if op.kind == "pair" else 1
+            outs = ", ".join(f"v{n + i}" for i in range(n_out))
+            args = ", ".join(f"v{i}" for i in op.ins)
+            if op.kind == "merge" and op.keyword:
+                args = f"v{op.ins[0]}, other=v{op.ins[1]}"
+            what = op.name or op.ref or ""
+            extra = f".{op.method}" if op.kind == "method" else ""
+            variant = f"/{op.variant}" if op.kind in ("act", "pair") else ""
+            lines.append(f"{indent}{outs} = {op.kind}{variant} {what}{extra}({args})")
+            if op.sub is not None:
+                lines += graph(op.sub, indent + "    ")
+            n += n_out
+        lines.append(f"{indent}return {spec.out_form} " + ", ".join(f"v{i}" for i in spec.out))
+        return lines
+
+    return "\n".join([f"seed {g.seed}"] + graph(g.spec, "  "))
+
+
+# --------------------------------------------------------------------------- the oracle
+
+
+@dataclasses.dataclass
+class Port:
+    spec: str | None  # the name as given to jaxslice (None: the model's inputs/output)
+    call: CallRec | None
+    side: str  # "input" or "output"
+
+
+@dataclasses.dataclass
+class Oracle:
+    g: Generated
+    variables: Any
+    rec: Recorder
+    values: dict[int, Any]
+    captured: dict[str, tuple[Any, ...]]
+    model_out: Any
+    names: list[str]  # boundary names, in call order
+    by_name: dict[str, CallRec]
+
+    # ---- ports
+
+    def port(self, spec: str | None, default_side: str) -> Port:
+        if spec is None:
+            return Port(None, None, default_side)
+        name, _, side = spec.partition(":")
+        return Port(spec, self.by_name[name], side or default_side)
+
+    def leaves(self, p: Port) -> list[int]:
+        if p.call is None:
+            if p.side == "input":
+                return list(self.rec.model_inputs)
+            return jax.tree_util.tree_leaves(self.rec.model_out)
+        if p.side == "input":
+            return list(p.call.args) + list(p.call.kwargs.values())
+        return list(jax.tree_util.tree_leaves(p.call.out))
+
+    def value_of(self, p: Port) -> Any:
+        """What a slice ending at `p` returns."""
+        if p.call is None:
+            return self.model_out
+        if p.side == "output":
+            return jax.tree_util.tree_map(lambda i: self.values[i], p.call.out)
+        ids = self.leaves(p)
+        return self.values[ids[0]] if len(ids) == 1 else tuple(self.values[i] for i in ids)
+
+    def inputs_for(self, ports: list[Port]) -> tuple[list[Any], dict[str, Any]]:
+        """What a slice starting at `ports` is called with."""
+        args: list[Any] = []
+        kwargs: dict[str, Any] = {}
+        for p in ports:
+            if p.call is None:
+                args += list(self.g.inputs)
+            elif p.side == "output":
+                args.append(self.value_of(p))
+            else:
+                args += [self.values[i] for i in p.call.args]
+                kwargs.update({k: self.values[i] for k, i in p.call.kwargs.items()})
+        return args, kwargs
+
+    def ends_value(self, end: Any) -> Any:
+        if isinstance(end, list):
+            return tuple(self.value_of(self.port(e, "output")) for e in end)
+        if isinstance(end, dict):
+            return {k: self.value_of(self.port(e, "output")) for k, e in end.items()}
+        return self.value_of(self.port(end, "output"))
+
+    # ---- validity, from the generator's DAG only
+
+    def ancestors(self, ids: list[int]) -> set[int]:
+        seen: set[int] = set()
+        stack = list(ids)
+        while stack:
+            v = stack.pop()
+            if v not in seen:
+                seen.add(v)
+                stack.extend(self.rec.parents[v])
+        return seen
+
+    def classify(self, start: Any, end: Any) -> str:
+        """What the DAG says about a slice from `start` to `end`.
+
+        "valid"; "missing": an end needs a model input through a path that avoids every
+        start value; "disconnected": an end does not depend on any start value (or a
+        start is unused as well); "unused": the ends are fine but a start port is not
+        needed; "both": missing and disconnected or unused (either error will do).
+        """
+        if start is None:
+            return "valid"
+        starts = [self.port(s, "input") for s in (start if isinstance(start, list) else [start])]
+        ends = [self.port(e, "output") for e in _flat_ends(end)]
+        given = {v for p in starts for v in self.leaves(p)}
+        used: set[int] = set()
+        missing = disconnected = False
+        for e in ends:
+            hit: set[int] = set()
+            seen: set[int] = set()
+            stack = self.leaves(e)
+            while stack:
+                v = stack.pop()
+                if v in seen:
+                    continue
+                seen.add(v)
+                if v in given:
+                    hit.add(v)
+                elif not self.rec.parents[v]:
+                    missing = True  # a model input that is not given
+                else:
+                    stack.extend(self.rec.parents[v])
+            disconnected |= not hit
+            used |= hit
+        unused = any(not (set(self.leaves(p)) & used) for p in starts)
+        if missing and (disconnected or unused):
+            return "both"  # either error will do
+        if disconnected:
+            return "disconnected"
+        if missing:
+            return "missing"
+        if unused:
+            return "unused"
+        return "valid"
+
+    # ---- running slices
+
+    def slice(self, start: Any, end: Any) -> Any:
+        return js.slice(self.g.model, self.variables, *self.g.inputs, start=start, end=end)
+
+    def expect_slice(self, start: Any, end: Any, stats: Stats) -> None:
+        sub = self.slice(start, end)
+        if start is None:
+            args, kwargs = list(self.g.inputs), {}
+        else:
+            args, kwargs = self.inputs_for([self.port(s, "input") for s in (start if isinstance(start, list) else [start])])
+        got = sub(*args, **kwargs)
+        stats.slices += 1
+        assert_trees_all_close(got, self.ends_value(end), atol=ATOL, rtol=RTOL)
+
+
+def _flat_ends(end: Any) -> list[Any]:
+    if isinstance(end, list):
+        return list(end)
+    if isinstance(end, dict):
+        return list(end.values())
+    return [end]
+
+
+def build_oracle(g: Generated) -> Oracle:
+    variables = random_variables(g.model, *g.inputs, seed=g.seed)
+    rec = Recorder()
+
+    def run(variables, *xs):
+        with recording(rec):
+            out, state = g.model.apply(
+                variables, *xs, capture_intermediates=lambda m, n: True, mutable=["intermediates"]
+            )
+        return out, state["intermediates"], rec.values
+
+    model_out, inter, values = jax.jit(run)(variables, *g.inputs)
+    captured: dict[str, tuple[Any, ...]] = {}
+
+    def walk(node: Any, path: tuple[str, ...]) -> None:
+        for key, value in node.items():
+            if isinstance(value, tuple):
+                if path and key != "setup":  # not the model's own outputs, nor setup
+                    base = "/".join(path)
+                    captured[base if key == "__call__" else f"{base}.{key}"] = value
+            else:
+                walk(value, path + (key,))
+
+    walk(inter, ())
+    counts = rec.counts
+    names, by_name = [], {}
+    for c in rec.calls:
+        name = c.base if counts[c.base] == 1 else f"{c.base}@{c.index}"
+        names.append(name)
+        by_name[name] = c
+    return Oracle(g, variables, rec, values, captured, model_out, names, by_name)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+@dataclasses.dataclass
+class Stats:
+    models: int = 0
+    slices: int = 0  # slices built and run against the oracle
+    errors: int = 0  # invalid slices checked to raise
+    maybe: int = 0  # "unused start" pairs: either an error or the right value
+
+
+@dataclasses.dataclass
+class Budget:
+    single_ends: int = 3
+    pairs: int = 6
+    compositions: int = 2
+    invalid: int = 4
+
+
+def check_recording(o: Oracle) -> None:
+    """The generator's own recording agrees with Flax (a check of the oracle itself)."""
+    for c in o.rec.calls:
+        recorded = jax.tree_util.tree_map(lambda i: o.values[i], c.out)
+        assert_trees_all_close(o.captured[c.base][c.index], recorded, atol=0, rtol=0)
+    assert set(o.captured) == {c.base for c in o.rec.calls}
+    assert_trees_all_close(
+        o.model_out, jax.tree_util.tree_map(lambda i: o.values[i], o.rec.model_out), atol=0, rtol=0
+    )
+
+
+def check_boundaries(o: Oracle) -> None:
+    bs = js.boundaries(o.g.model, o.variables, *o.g.inputs)
+    assert [b.name for b in bs] == o.names
+    for b in bs:
+        c = o.by_name[b.name]
+        assert b.num_calls == o.rec.counts[c.base]
+        assert b.call_index == c.index
+        assert b.loop is None
+
+
+def check_all_boundaries(o: Oracle, rng: random.Random, budget: Budget, stats: Stats) -> None:
+    """Every boundary's output and input from the model's inputs, all at once, plus a few
+    one-end slices, against ``capture_intermediates`` and the recording."""
+    outs = js.slice(o.g.model, o.variables, *o.g.inputs, end={n: n for n in o.names})(*o.g.inputs)
+    stats.slices += 1
+    expected = {n: o.captured[o.by_name[n].base][o.by_name[n].index] for n in o.names}
+    assert_trees_all_close(outs, expected, atol=ATOL, rtol=RTOL)
+    ins = {f"{n}:input": f"{n}:input" for n in o.names}
+    outs = js.slice(o.g.model, o.variables, *o.g.inputs, end=ins)(*o.g.inputs)
+    stats.slices += 1
+    assert_trees_all_close(outs, o.ends_value(ins), atol=ATOL, rtol=RTOL)
+    # The model's whole output, and a few single ends.
+    o.expect_slice(None, None, stats)
+    for name in rng.sample(o.names, min(budget.single_ends, len(o.names))):
+        o.expect_slice(None, rng.choice([name, f"{name}:output", f"{name}:input"]), stats)
+
+
+def _port_specs(o: Oracle) -> tuple[list[Any], list[Any]]:
+    starts: list[Any] = [None]
+    ends: list[Any] = [None]
+    for n in o.names:
+        starts += [n, f"{n}:input", f"{n}:output"]
+        ends += [n, f"{n}:output", f"{n}:input"]
+    return starts, ends
+
+
+def _random_end(o: Oracle, rng: random.Random, ends: list[Any]) -> Any:
+    r = rng.random()
+    if r < 0.7:
+        return rng.choice(ends)
+    named = [e for e in ends if e is not None]
+    picks = rng.sample(named, min(len(named), rng.randint(1, 3)))
+    if r < 0.85:
+        return picks
+    return {f"k{i}": p for i, p in enumerate(picks)}
+
+
+def _random_start(o: Oracle, rng: random.Random, end: Any, starts: list[Any], related: bool) -> Any:
+    """A start (or list of starts); `related`: only ports the end depends on."""
+    if related:
+        anc = o.ancestors([v for e in _flat_ends(end) for v in o.leaves(o.port(e, "output"))])
+        pool = [s for s in starts if set(o.leaves(o.port(s, "input"))) & anc]
+    else:
+        pool = starts
+    if not pool:
+        return None
+    k = 1 if rng.random() < 0.6 else rng.randint(2, 3)
+    picks = [rng.choice(pool) for _ in range(k)]
+    return picks[0] if k == 1 else picks
+
+
+def sample_pairs(o: Oracle, rng: random.Random, want: dict[str, int], tries: int = 400) -> dict[str, list[Any]]:
+    """Random (start, end) pairs sorted by what the DAG says about them."""
+    starts, ends = _port_specs(o)
+    found: dict[str, list[Any]] = {k: [] for k in ("valid", "missing", "disconnected", "both", "unused")}
+    seen = set()
+    for _ in range(tries):
+        if all(len(found[k]) >= n for k, n in want.items()):
+            break
+        end = _random_end(o, rng, ends)
+        start = _random_start(o, rng, end, starts, related=rng.random() < 0.8)
+        if start is None:
+            continue
+        key = repr((start, end))
+        if key in seen:
+            continue
+        seen.add(key)
+        kind = o.classify(start, end)
+        if len(found[kind]) < want.get(kind, 0):
+            found[kind].append((start, end))
+    return found
+
+
+def check_random_pairs(o: Oracle, rng: random.Random, budget: Budget, stats: Stats) -> None:
+    """Valid pairs reproduce the recording; invalid ones raise; "unused" ones do either."""
+    found = sample_pairs(
+        o, rng, {"valid": budget.pairs, "missing": budget.invalid, "disconnected": budget.invalid,
+                 "both": 1, "unused": 1}
+    )
+    for start, end in found["valid"]:
+        try:
+            o.expect_slice(start, end, stats)
+        except Exception as e:
+            raise AssertionError(f"valid slice start={start!r} end={end!r} failed: {e!r}") from e
+    for kind in ("missing", "disconnected", "both"):
+        for start, end in found[kind]:
+            check_invalid(o, start, end, kind, stats)
+    for start, end in found["unused"]:
+        try:
+            o.expect_slice(start, end, stats)
+        except js.SliceError:
+            pass
+        stats.maybe += 1
+
+
+EXPECTED_ERROR = {
+    "missing": js.MissingInputError,
+    "disconnected": js.DisconnectedError,
+    "both": js.SliceError,
+}
+
+
+def check_invalid(o: Oracle, start: Any, end: Any, kind: str, stats: Stats) -> None:
+    try:
+        sub = o.slice(start, end)
+    except js.SliceError as e:
+        stats.errors += 1
+        assert isinstance(e, EXPECTED_ERROR[kind]), (
+            f"start={start!r} end={end!r} ({kind}) raised {type(e).__name__}: {e}"
+        )
+        return
+    args, kwargs = o.inputs_for([o.port(s, "input") for s in (start if isinstance(start, list) else [start])])
+    try:
+        got = sub(*args, **kwargs)
+    except js.SliceError:
+        got = "<raised only when called>"
+    raise AssertionError(
+        f"invalid slice ({kind}) start={start!r} end={end!r} returned instead of raising; "
+        f"got {jax.tree_util.tree_map(np.asarray, got)!r}, expected {o.ends_value(end)!r}"
+    )
+
+
+def check_composition(o: Oracle, rng: random.Random, budget: Budget, stats: Stats) -> None:
+    """slice(a, b) ∘ slice(None, a) == slice(None, b), a before b, cut at a's input or output."""
+    _, ends = _port_specs(o)
+    done = 0
+    for _ in range(50):
+        if done >= budget.compositions:
+            return
+        b = rng.choice(ends)
+        anc = o.ancestors([v for v in o.leaves(o.port(b, "output"))])
+        cands = []
+        for n in o.names:
+            c = o.by_name[n]
+            for side in ("input", "output"):
+                p = Port(n, c, side)
+                if set(o.leaves(p)) & anc and o.classify(n if side == "input" else f"{n}:output", b) == "valid":
+                    cands.append((n, side))
+        if not cands:
+            continue
+        a, side = rng.choice(cands)
+        if side == "input":
+            first = js.slice(o.g.model, o.variables, *o.g.inputs, end=f"{a}:input")
+            second = o.slice(a, b)
+            mid = first(*o.g.inputs)
+            c = o.by_name[a]
+            n_pos = len(c.args)
+            flat = list(mid) if len(o.leaves(Port(a, c, "input"))) > 1 else [mid]
+            args, kwargs = flat[:n_pos], dict(zip(c.kwargs, flat[n_pos:], strict=True))
+        else:
+            first = js.slice(o.g.model, o.variables, *o.g.inputs, end=a)
+            second = o.slice(f"{a}:output", b)
+            args, kwargs = [first(*o.g.inputs)], {}
+        whole = js.slice(o.g.model, o.variables, *o.g.inputs, end=b)
+        composed = second(*args, **kwargs)
+        direct = whole(*o.g.inputs)
+        stats.slices += 3
+        assert_trees_all_close(composed, direct, atol=ATOL, rtol=RTOL)
+        assert_trees_all_close(direct, o.ends_value(b), atol=ATOL, rtol=RTOL)
+        done += 1
+
+
+def check_reversed(o: Oracle, stats: Stats) -> None:
+    """The last call's input to the first call's output, and the model's output from the
+    last call: whatever the DAG says is invalid must raise."""
+    for start, end in ((o.names[-1], o.names[0]), (o.names[-1], None), (f"{o.names[-1]}:output", None)):
+        kind = o.classify(start, end)
+        if kind in EXPECTED_ERROR:
+            check_invalid(o, start, end, kind, stats)
+
+
+def check_model(seed: int, budget: Budget, stats: Stats) -> None:
+    g = generate(seed)
+    o = build_oracle(g)
+    rng = random.Random(seed * 7919 + 1)
+    check_recording(o)
+    check_boundaries(o)
+    check_all_boundaries(o, rng, budget, stats)
+    check_random_pairs(o, rng, budget, stats)
+    check_composition(o, rng, budget, stats)
+    check_reversed(o, stats)
+    stats.models += 1
+
+
+def _explain(seed: int, error: BaseException) -> str:
+    return f"{describe(generate(seed))}\n{type(error).__name__}: {error}"
+
+
+# --------------------------------------------------------------------------- tests
+
+SMALL_SEEDS = list(range(8))
+
+
+@pytest.mark.parametrize("seed", SMALL_SEEDS)
+def test_fuzz_model(seed):
+    stats = Stats()
+    try:
+        check_model(seed, Budget(), stats)
+    except Exception as e:
+        raise AssertionError(_explain(seed, e)) from e
+    assert stats.models == 1 and stats.slices > 0
+
+
+def test_generator_covers_every_feature():
+    """The default seeds exercise every op kind, both styles, nesting, sharing, keywords
+    and every output form, so the CI sample is not a narrow one."""
+    kinds, styles, forms, keyword, shared_calls = set(), set(), set(), False, 0
+
+    def walk(spec: GraphSpec) -> None:
+        nonlocal keyword, shared_calls
+        styles.add(spec.style)
+        forms.add(spec.out_form)
+        for op in spec.ops:
+            kinds.add(op.kind)
+            keyword |= op.keyword
+            shared_calls += op.kind in ("shared", "method")
+            if op.sub is not None:
+                walk(op.sub)
+        for inst in spec.instances:
+            kinds.add("instance:" + inst.kind)
+            if inst.sub is not None:
+                walk(inst.sub)
+
+    for seed in SMALL_SEEDS:
+        walk(generate(seed).spec)
+    assert {"dense", "conv", "ident", "pair", "merge", "block", "add", "concat", "pool"} <= kinds, kinds
+    assert {"compact", "setup"} <= styles
+    assert {"single", "tuple", "dict"} <= forms
+    assert keyword and shared_calls
+
+
+def _large_selected(config: Any) -> bool:
+    if os.environ.get("JAXSLICE_FUZZ_LARGE") == "1":
+        return True
+    expr = config.getoption("markexpr") or ""
+    return "fuzz_large" in expr and "not fuzz_large" not in expr
+
+
+@pytest.mark.fuzz_large
+def test_fuzz_large(request):
+    if not _large_selected(request.config):
+        pytest.skip("the large fuzz run: select it with `-m fuzz_large` or JAXSLICE_FUZZ_LARGE=1")
+    if os.environ.get("JAXSLICE_FUZZ_SEEDS"):
+        seeds = [int(s) for s in os.environ["JAXSLICE_FUZZ_SEEDS"].split(",")]
+    else:
+        first = int(os.environ.get("JAXSLICE_FUZZ_SEED0", "1000"))
+        seeds = list(range(first, first + int(os.environ.get("JAXSLICE_FUZZ_N", "300"))))
+    stats = Stats()
+    failures: list[tuple[int, str]] = []
+    t0 = time.perf_counter()
+    for i, seed in enumerate(seeds):
+        try:
+            check_model(seed, Budget(pairs=8, invalid=4, compositions=2), stats)
+        except Exception as e:
+            failures.append((seed, _explain(seed, e) + "\n" + "".join(traceback.format_tb(e.__traceback__)[-3:])))
+        if i % 25 == 24:
+            jax.clear_caches()
+    summary = (
+        f"fuzz_large: {len(seeds)} models, {stats.models} passed, {stats.slices} slices checked, "
+        f"{stats.errors} invalid slices raised, {stats.maybe} unused-start pairs, "
+        f"{len(failures)} failing models, {time.perf_counter() - t0:.0f}s"
+    )
+    print(summary)
+    if failures:
+        shown = "\n\n".join(f"--- seed {s}\n{m}" for s, m in failures[:10])
+        raise AssertionError(f"{summary}\nfailing seeds: {[s for s, _ in failures]}\n\n{shown}")
