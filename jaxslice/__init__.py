@@ -22,9 +22,9 @@ from ._interpret import Interpreter as Interpreter
 from ._listing import Boundary as Boundary
 from ._listing import BoundaryTable as BoundaryTable
 from ._listing import boundaries as boundaries
+from ._nnx_module import SlicedModule as SlicedModule
 from ._slice import Sliceable as Sliceable
 from ._slice import slice as slice  # noqa: A004
-from ._nnx_module import SlicedModule as SlicedModule
 from ._sliced import Sliced as Sliced
 from ._version import __version__ as __version__
 from .adapters._plain import mark as mark

@@ -66,7 +66,10 @@ class ActivationStats:
 
         def step(v: Any, r: Any, x: Any, acc: list[Moments]) -> list[Moments]:
             outs = outputs(v, r, x)
-            flat = [o.reshape(-1) if per == "tensor" else o.reshape(-1, o.shape[-1] if o.ndim else 1) for o in outs]
+            flat = [
+                o.reshape(-1) if per == "tensor" else o.reshape(-1, o.shape[-1] if o.ndim else 1)
+                for o in outs
+            ]
             return [m.merge(Moments.of(f)) for m, f in zip(acc, flat, strict=True)]
 
         return step

@@ -85,7 +85,9 @@ class Editor:
         self._replaced: dict[str, _Node] = {}
         self._removed: set[str] = set()
         self._inserted: dict[str, _Node] = {}
-        self._taken = {c.qualname for c in traced.graph.calls} | {c.name for c in traced.graph.calls}
+        self._taken = {c.qualname for c in traced.graph.calls} | {
+            c.name for c in traced.graph.calls
+        }
         variables = self._split.variables
         if isinstance(variables, Mapping):
             pool = variables.get("params", {}) if self._linen else variables
@@ -93,7 +95,9 @@ class Editor:
 
     # ------------------------------------------------------------------ edits
 
-    def insert_after(self, at: str, fn_or_module: Any, /, *, key: Any = None, name: str | None = None) -> Editor:
+    def insert_after(
+        self, at: str, fn_or_module: Any, /, *, key: Any = None, name: str | None = None
+    ) -> Editor:
         """Inserts a function or linen module after a boundary's output.
 
         Everything that read the boundary's output reads the node's output instead. A
@@ -111,7 +115,11 @@ class Editor:
         """
         target = self._resolve(at)
         if name is None:
-            base = type(fn_or_module).__name__ if _is_linen(fn_or_module) else getattr(fn_or_module, "__name__", "fn")
+            base = (
+                type(fn_or_module).__name__
+                if _is_linen(fn_or_module)
+                else getattr(fn_or_module, "__name__", "fn")
+            )
             name = self._fresh_name("fn" if base == "<lambda>" else base)
         self._check_new_name(name)
         node = self._new_node(fn_or_module, key, name, (self._probe()[(target, OUTPUT)],))
@@ -122,7 +130,9 @@ class Editor:
         except Exception as error:
             self._after[target].remove(node)
             del self._inserted[name]
-            raise SliceError(BREAKS_MODEL.format(what=f"Inserting {name!r} after {target!r}", error=error)) from error
+            raise SliceError(
+                BREAKS_MODEL.format(what=f"Inserting {name!r} after {target!r}", error=error)
+            ) from error
         return self
 
     def replace(self, at: str, fn_or_module: Any, /, *, key: Any = None) -> Editor:
@@ -146,7 +156,9 @@ class Editor:
                 self._probe()
             except Exception as error:
                 self._swap(new, old)
-                raise SliceError(BREAKS_MODEL.format(what=f"Replacing {target!r}", error=error)) from error
+                raise SliceError(
+                    BREAKS_MODEL.format(what=f"Replacing {target!r}", error=error)
+                ) from error
             return self
         call, _ = self._resolver.resolve(target, OUTPUT)
         if call.count > 1 and _is_linen(fn_or_module):
@@ -168,7 +180,9 @@ class Editor:
                 self._replaced[target] = previous
             if was_removed:
                 self._removed.add(target)
-            raise SliceError(BREAKS_MODEL.format(what=f"Replacing {target!r}", error=error)) from error
+            raise SliceError(
+                BREAKS_MODEL.format(what=f"Replacing {target!r}", error=error)
+            ) from error
         return self
 
     def remove(self, at: str, /) -> Editor:
@@ -185,10 +199,14 @@ class Editor:
         inp, out = values[(target, INPUT)], values[(target, OUTPUT)]
         same = jax.tree_util.tree_structure(inp) == jax.tree_util.tree_structure(out) and all(
             a.shape == b.shape and a.dtype == b.dtype
-            for a, b in zip(jax.tree_util.tree_leaves(inp), jax.tree_util.tree_leaves(out), strict=True)
+            for a, b in zip(
+                jax.tree_util.tree_leaves(inp), jax.tree_util.tree_leaves(out), strict=True
+            )
         )
         if not same:
-            raise SliceError(REMOVE_MISMATCH.format(name=target, inp=_describe(inp), out=_describe(out)))
+            raise SliceError(
+                REMOVE_MISMATCH.format(name=target, inp=_describe(inp), out=_describe(out))
+            )
         if target in self._inserted:
             node = self._inserted.pop(target)
             following = self._after.pop(target, [])
@@ -215,7 +233,11 @@ class Editor:
                 "New modules bring variables, but the model's variables are not a dict, so there is "
                 "no place for them. Use a dict of parameters, or insert plain functions."
             )
-        shadowed = {p for p, _ in jax.tree_util.tree_flatten_with_path(base)[0] if self._owner(p) is not None}
+        shadowed = {
+            p
+            for p, _ in jax.tree_util.tree_flatten_with_path(base)[0]
+            if self._owner(p) is not None
+        }
         kept = set(p for p, _ in jax.tree_util.tree_flatten_with_path(base)[0]) - shadowed
         out = prune(base, kept) or {}
         out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in out.items()}
@@ -250,7 +272,7 @@ class Editor:
         for name, attrs in dag.nodes(data=True):
             if not name.startswith("<"):
                 attrs["in_slice"] = name in edited
-        for name, attrs in dag.graph.get("containers", {}).items():
+        for attrs in dag.graph.get("containers", {}).values():
             attrs["in_slice"] = True
         return dag
 
@@ -260,7 +282,9 @@ class Editor:
 
         return to_dot(self.to_networkx(depth), annotations=annotations, title="jaxslice edit")
 
-    def render(self, path: Any, depth: int | None = None, annotations: dict[str, Any] | None = None) -> str:
+    def render(
+        self, path: Any, depth: int | None = None, annotations: dict[str, Any] | None = None
+    ) -> str:
         """Renders `to_dot` with Graphviz's `dot` (format from the file suffix)."""
         from .render import render_dot
 
@@ -298,9 +322,13 @@ class Editor:
 
     def _check_new_name(self, name: str) -> None:
         if not isinstance(name, str) or not name or "@" in name or ":" in name:
-            raise InvalidSpecError(f"A node name must be a non-empty string without '@' or ':', got {name!r}.")
+            raise InvalidSpecError(
+                f"A node name must be a non-empty string without '@' or ':', got {name!r}."
+            )
         if name in self._taken or name in self._inserted:
-            raise InvalidSpecError(f"{name!r} is already taken by a boundary or a variable; pick another `name=`.")
+            raise InvalidSpecError(
+                f"{name!r} is already taken by a boundary or a variable; pick another `name=`."
+            )
 
     def _swap(self, old: _Node, new: _Node) -> None:
         self._inserted[old.name] = new
@@ -323,16 +351,22 @@ class Editor:
         if callable(fn_or_module):
             f = fn_or_module
             return _Node(name, lambda v, *a: f(*a), None, None)
-        raise InvalidSpecError(f"Expected a function or a linen module, got {type(fn_or_module).__name__}.")
+        raise InvalidSpecError(
+            f"Expected a function or a linen module, got {type(fn_or_module).__name__}."
+        )
 
     def _probe(self) -> dict[tuple[str, str], Any]:
         """Shapes at every boundary of the edited model, from one abstract evaluation."""
         seen: dict[tuple[str, str], Any] = {}
 
         def record(name: str, side: str, value: Any) -> None:
-            seen[(name, side)] = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), value)
+            seen[(name, side)] = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), value
+            )
 
-        jax.eval_shape(_EditedModel(self, record), self.variables, *self._split.args, **self._split.kwargs)
+        jax.eval_shape(
+            _EditedModel(self, record), self.variables, *self._split.args, **self._split.kwargs
+        )
         return seen
 
 
@@ -352,7 +386,11 @@ class _EditedModel:
         entry, leaves = editor._engine._lookup(inputs, kwargs, None, False)
         # Variables of the original model, except those a new module now owns: replaced
         # modules' equations still read their original values (they are dead code).
-        given = {p: x for p, x in jax.tree_util.tree_flatten_with_path(variables)[0] if editor._owner(p) is None}
+        given = {
+            p: x
+            for p, x in jax.tree_util.tree_flatten_with_path(variables)[0]
+            if editor._owner(p) is None
+        }
         original = dict(jax.tree_util.tree_flatten_with_path(editor._split.variables)[0])
         merged = {**original, **given}
         values = [merged[p] for p in entry.traced.graph.variable_paths]
@@ -361,7 +399,9 @@ class _EditedModel:
 
 
 class _EditInterpreter(Interpreter):
-    def __init__(self, editor: Editor, variables: Any, observe: Callable[[str, str, Any], None] | None):
+    def __init__(
+        self, editor: Editor, variables: Any, observe: Callable[[str, str, Any], None] | None
+    ):
         self.editor = editor
         self.variables = variables
         self.observe = observe
@@ -390,7 +430,9 @@ class _EditInterpreter(Interpreter):
             kind="edit",
             path=tuple(node.name.split("/")),
             method="__call__",
-            module_type=type(node.module).__name__ if node.module is not None else getattr(node.fn, "__name__", "function"),
+            module_type=type(node.module).__name__
+            if node.module is not None
+            else getattr(node.fn, "__name__", "function"),
         )
         self._see(node.name, OUTPUT, out)
         return self._after(node.name, out)
@@ -407,9 +449,14 @@ class _EditInterpreter(Interpreter):
         call = self._current_call
         if side == INPUT:
             self.records[id(call)] = _markers.new_record(
-                kind="edit", path=tuple(call.name.split("/")), method="__call__", module_type=call.module_type
+                kind="edit",
+                path=tuple(call.name.split("/")),
+                method="__call__",
+                module_type=call.module_type,
             )
-            _markers.mark_side(self.records[id(call)], INPUT, (value if isinstance(value, tuple) else (value,), {}))
+            _markers.mark_side(
+                self.records[id(call)], INPUT, (value if isinstance(value, tuple) else (value,), {})
+            )
         else:
             _markers.mark_side(self.records[id(call)], OUTPUT, value)
 
@@ -424,7 +471,9 @@ class _EditInterpreter(Interpreter):
         elif name in self.editor._replaced:
             node = self.editor._replaced[name]
             args = self.inputs[name]
-            value = node.fn(self._node_variables(node), *(args if isinstance(args, tuple) else (args,)))
+            value = node.fn(
+                self._node_variables(node), *(args if isinstance(args, tuple) else (args,))
+            )
         self._remark(OUTPUT, value)
         self._see(name, OUTPUT, value)
         return self._after(name, value)

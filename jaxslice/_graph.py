@@ -209,7 +209,8 @@ class _Builder:
         hit = self._marker_memo.get(key)
         if hit is None:
             hit = any(
-                _compat.marker_key(e) is not None or any(self.has_marker(s) for s in _compat.subjaxprs(e))
+                _compat.marker_key(e) is not None
+                or any(self.has_marker(s) for s in _compat.subjaxprs(e))
                 for e in jaxpr.eqns
             )
             self._marker_memo[key] = hit
@@ -228,7 +229,9 @@ class _Builder:
             if key is not None:
                 rid, side, leaf = _markers.parse_key(key)
                 vid = None if leaf == _markers.PLACEHOLDER else self.read(env, eqn.invars[0])
-                self.occurrences.append(_Occurrence(rid, side, leaf, vid, len(g.eqns), scopes, None))
+                self.occurrences.append(
+                    _Occurrence(rid, side, leaf, vid, len(g.eqns), scopes, None)
+                )
                 continue
             body = _compat.call_body(eqn) if self.has_marker_eqn(eqn) else None
             if body is not None:
@@ -251,7 +254,13 @@ class _Builder:
     def has_marker_eqn(self, eqn: Any) -> bool:
         return any(self.has_marker(s) for s in _compat.subjaxprs(eqn))
 
-    def inline(self, eqn: Any, body: tuple[Any, Sequence[Any]], env: dict[Any, int], scopes: tuple[str, ...]) -> None:
+    def inline(
+        self,
+        eqn: Any,
+        body: tuple[Any, Sequence[Any]],
+        env: dict[Any, int],
+        scopes: tuple[str, ...],
+    ) -> None:
         jaxpr, consts = body
         inner: dict[Any, int] = {}
         for v, c in zip(jaxpr.constvars, consts, strict=True):
@@ -266,7 +275,9 @@ class _Builder:
         for outer, vid in zip(eqn.outvars, outs, strict=True):
             if not _compat.is_dropvar(outer):
                 env[outer] = vid
-        self.g.regions.append(Region(Eqn(eqn, tuple(ins), tuple(outs), scopes), start, len(self.g.eqns)))
+        self.g.regions.append(
+            Region(Eqn(eqn, tuple(ins), tuple(outs), scopes), start, len(self.g.eqns))
+        )
 
     def collect_loop_markers(self, eqn: Any, scopes: tuple[str, ...], pos: int, loop: str) -> None:
         for sub in _compat.subjaxprs(eqn):
@@ -275,7 +286,9 @@ class _Builder:
                 inner_scopes = scopes + _compat.eqn_scopes(inner)
                 if key is not None:
                     rid, side, leaf = _markers.parse_key(key)
-                    self.occurrences.append(_Occurrence(rid, side, leaf, None, pos, inner_scopes, loop))
+                    self.occurrences.append(
+                        _Occurrence(rid, side, leaf, None, pos, inner_scopes, loop)
+                    )
                 elif self.has_marker_eqn(inner):
                     self.collect_loop_markers(inner, inner_scopes, pos, loop)
 
@@ -314,7 +327,9 @@ def build(
     g.input_tree = input_tree
     ids = iter(g.input_ids)
     statics = iter(input_statics)
-    g.input_slots = [Slot(next(ids)) if arr else Slot(None, next(statics)) for arr in input_is_array]
+    g.input_slots = [
+        Slot(next(ids)) if arr else Slot(None, next(statics)) for arr in input_is_array
+    ]
     b.walk(jaxpr, env, ())
     g.out_tree = out_tree
     outs = iter(jaxpr.outvars)
@@ -339,8 +354,12 @@ def build(
 def _calls_from_markers(occurrences: list[_Occurrence], num_eqns: int) -> list[Call]:
     """Groups marker occurrences into calls: inputs, then the body, then outputs."""
     calls: list[Call] = []
-    open_by_record: dict[int, tuple[Call, _markers.CallRecord, dict[int, int | None], dict[int, int | None]]] = {}
-    pending: list[tuple[Call, _markers.CallRecord, dict[int, int | None], dict[int, int | None]]] = []
+    open_by_record: dict[
+        int, tuple[Call, _markers.CallRecord, dict[int, int | None], dict[int, int | None]]
+    ] = {}
+    pending: list[
+        tuple[Call, _markers.CallRecord, dict[int, int | None], dict[int, int | None]]
+    ] = []
     for seq, occ in enumerate(occurrences):
         record = _markers.lookup(occ.record_id)
         state = open_by_record.get(occ.record_id)
@@ -405,7 +424,9 @@ def _whole_loops(g: Graph, calls: list[Call]) -> list[Call]:
             loop=None,
             in_tree=jax.tree_util.tree_structure((tuple(range(n_in)), {})),
             in_slots=[Slot(v) for v in eqn.ins],
-            out_tree=jax.tree_util.tree_structure(tuple(range(n_out))) if n_out != 1 else jax.tree_util.tree_structure(0),
+            out_tree=jax.tree_util.tree_structure(tuple(range(n_out)))
+            if n_out != 1
+            else jax.tree_util.tree_structure(0),
             out_slots=[Slot(v) for v in eqn.outs],
             start=c.start,
             stop=c.start + 1,
@@ -416,7 +437,9 @@ def _whole_loops(g: Graph, calls: list[Call]) -> list[Call]:
     return out
 
 
-def _finish(call: Call, record: _markers.CallRecord, ins: dict[int, int | None], outs: dict[int, int | None]) -> None:
+def _finish(
+    call: Call, record: _markers.CallRecord, ins: dict[int, int | None], outs: dict[int, int | None]
+) -> None:
     call.in_slots = [
         Slot(ins.get(i)) if arr else Slot(None) for i, arr in enumerate(record.in_is_array)
     ]

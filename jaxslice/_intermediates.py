@@ -55,7 +55,9 @@ def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> 
         engine = hit[1]
         _CACHE.move_to_end(key)
     else:
-        traced = _trace.trace(target, args, kwargs, stop_at=list(names) if names is not None else None)
+        traced = _trace.trace(
+            target, args, kwargs, stop_at=list(names) if names is not None else None
+        )
         if names is None:
             names = [c.qualname for c in traced.graph.calls if c.loop is None]
         engine = Sliced(traced, None, {n: n for n in names})

@@ -196,7 +196,9 @@ def _events(graph: Graph) -> dict[int, list[tuple[float, str, Any]]]:
 
 def _owner(graph: Graph) -> list[str | None]:
     owner: list[str | None] = [None] * len(graph.eqns)
-    for call in sorted((c for c in graph.calls if c.loop is None), key=lambda c: (c.start, -c.stop)):
+    for call in sorted(
+        (c for c in graph.calls if c.loop is None), key=lambda c: (c.start, -c.stop)
+    ):
         for i in range(call.start, call.stop):
             owner[i] = call.qualname
     return owner
@@ -206,7 +208,13 @@ def _source(eqn: Any) -> str | None:
     return _compat.source_line(eqn)
 
 
-def _run(graph: Graph, interp: Interpreter, var_values: list[Any], rng_values: list[Any], inputs: list[Any]) -> Any:
+def _run(
+    graph: Graph,
+    interp: Interpreter,
+    var_values: list[Any],
+    rng_values: list[Any],
+    inputs: list[Any],
+) -> Any:
     from . import _plan
     from ._markers import INPUT
     from ._sliced import _assemble
@@ -261,7 +269,11 @@ def _run(graph: Graph, interp: Interpreter, var_values: list[Any], rng_values: l
             else:
                 outs = _compat.bind_eqn(eqn.jax_eqn, ins)
             info = Equation(
-                _compat.primitive_name(eqn.jax_eqn), dict(eqn.jax_eqn.params), pos, eqn.scopes, owner[pos],
+                _compat.primitive_name(eqn.jax_eqn),
+                dict(eqn.jax_eqn.params),
+                pos,
+                eqn.scopes,
+                owner[pos],
                 _source(eqn.jax_eqn),
             )
             outs = list(interp.equation(info, ins, outs))
@@ -273,7 +285,14 @@ def _run(graph: Graph, interp: Interpreter, var_values: list[Any], rng_values: l
         interp._emitted = None
 
 
-def _eval_body(body: Any, ins: list[Any], interp: Interpreter, pos: int, scopes: tuple[str, ...], owner: str | None) -> list[Any]:
+def _eval_body(
+    body: Any,
+    ins: list[Any],
+    interp: Interpreter,
+    pos: int,
+    scopes: tuple[str, ...],
+    owner: str | None,
+) -> list[Any]:
     jaxpr, consts = body
     env: dict[Any, Any] = {}
     env.update(zip(jaxpr.constvars, consts, strict=True))
@@ -285,9 +304,18 @@ def _eval_body(body: Any, ins: list[Any], interp: Interpreter, pos: int, scopes:
     for eqn in jaxpr.eqns:
         args = [read(a) for a in eqn.invars]
         sub = _compat.call_body(eqn)
-        outs = _eval_body(sub, args, interp, pos, scopes, owner) if sub is not None else _compat.bind_eqn(eqn, args)
+        outs = (
+            _eval_body(sub, args, interp, pos, scopes, owner)
+            if sub is not None
+            else _compat.bind_eqn(eqn, args)
+        )
         info = Equation(
-            _compat.primitive_name(eqn), dict(eqn.params), pos, scopes + _compat.eqn_scopes(eqn), owner, _source(eqn)
+            _compat.primitive_name(eqn),
+            dict(eqn.params),
+            pos,
+            scopes + _compat.eqn_scopes(eqn),
+            owner,
+            _source(eqn),
         )
         outs = list(interp.equation(info, args, outs))
         for v, o in zip(eqn.outvars, outs, strict=True):

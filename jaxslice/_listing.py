@@ -10,7 +10,7 @@ import jax
 
 from . import _compat, _plan, _trace
 from ._graph import Call, Graph, describe_aval
-from ._markers import INPUT, OUTPUT
+from ._markers import INPUT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,9 @@ class BoundaryTable(list):
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        lines = [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
@@ -121,7 +123,9 @@ def _span_params(traced: _trace.Traced, call: Call) -> int:
     tree = traced.split.variables
     linen_style = isinstance(tree, Mapping) and "params" in tree
     variables = {
-        v for v, p in zip(graph.variable_ids, graph.variable_paths, strict=True) if _is_parameter(p, linen_style)
+        v
+        for v, p in zip(graph.variable_ids, graph.variable_paths, strict=True)
+        if _is_parameter(p, linen_style)
     }
     used = {v for e in graph.eqns[call.start : call.stop] for v in e.ins if v in variables}
     return sum(int(getattr(graph.avals[v], "size", 0)) for v in used)

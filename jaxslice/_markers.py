@@ -93,7 +93,9 @@ class StopRule:
             raise StopTracing()
 
 
-_STOP: contextvars.ContextVar[StopRule | None] = contextvars.ContextVar("jaxslice_stop", default=None)
+_STOP: contextvars.ContextVar[StopRule | None] = contextvars.ContextVar(
+    "jaxslice_stop", default=None
+)
 
 
 @contextlib.contextmanager
@@ -158,7 +160,9 @@ def _mark_side(record: CallRecord, side: str, tree: Any) -> tuple[Any, tuple[boo
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     is_arr = tuple(is_array(leaf) for leaf in leaves)
     if side == OUTPUT:
-        record.out_statics = {i: leaf for i, (leaf, a) in enumerate(zip(leaves, is_arr)) if not a}
+        record.out_statics = {
+            i: leaf for i, (leaf, a) in enumerate(zip(leaves, is_arr, strict=True)) if not a
+        }
     for i, (leaf, arr) in enumerate(zip(leaves, is_arr, strict=True)):
         if arr:
             _compat.bind_marker(leaf, f"{record.id}/{side}/{i}")

@@ -68,12 +68,16 @@ class Resolver:
         base, index, port = parse(spec)
         calls = self.by_name.get(base)
         if not calls:
-            raise UnknownBoundaryError(UnknownBoundaryError.TEMPLATE.format(name=spec, hint=self._hint(base)))
+            raise UnknownBoundaryError(
+                UnknownBoundaryError.TEMPLATE.format(name=spec, hint=self._hint(base))
+            )
         if index is None:
             if len(calls) > 1:
                 choices = ", ".join(repr(f"{base}@{c.index}") for c in calls)
                 raise AmbiguousBoundaryError(
-                    AmbiguousBoundaryError.TEMPLATE.format(name=base, count=len(calls), choices=choices)
+                    AmbiguousBoundaryError.TEMPLATE.format(
+                        name=base, count=len(calls), choices=choices
+                    )
                 )
             call = calls[0]
         else:
@@ -84,7 +88,11 @@ class Resolver:
                 )
             call = calls[index]
         if call.loop is not None:
-            outer = [c.qualname for c in self.graph.calls if c.loop is None and c.start <= call.start < c.stop]
+            outer = [
+                c.qualname
+                for c in self.graph.calls
+                if c.loop is None and c.start <= call.start < c.stop
+            ]
             hint = f", such as {outer[-1]!r}" if outer else ""
             raise BoundaryInLoopError(
                 BoundaryInLoopError.TEMPLATE.format(name=spec, primitive=call.loop, outer=hint)

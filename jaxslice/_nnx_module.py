@@ -36,13 +36,17 @@ def _held(root: Any, engine: Sliced) -> tuple[list[tuple[Any, ...]], list[tuple[
     """The module paths (and loose variable paths) a slice must hold."""
     plan = engine._base.plan
     graph = engine._base.traced.graph
-    modules = {tuple(path): node for path, node in nnx.iter_graph(root) if isinstance(node, nnx.Module)}
+    modules = {
+        tuple(path): node for path, node in nnx.iter_graph(root) if isinstance(node, nnx.Module)
+    }
     by_str = {tuple(str(p) for p in path): path for path in modules}
     wanted: set[tuple[Any, ...]] = set()
     # The innermost module call around each equation of the slice runs in it (and may
     # read flags such as `deterministic`), so the slice holds that module.
     owner: dict[int, Any] = {}
-    calls = sorted((c for c in graph.calls if c.loop is None), key=lambda c: (c.start, -c.stop, c.in_seq))
+    calls = sorted(
+        (c for c in graph.calls if c.loop is None), key=lambda c: (c.start, -c.stop, c.in_seq)
+    )
     for call in calls:
         for i in range(call.start, call.stop):
             owner[i] = call
@@ -85,8 +89,12 @@ class SlicedModule(nnx.Module):
         self.parts = nnx.List([nodes[p] for p in part_paths])
         self.loose = nnx.List([nodes[p] for p in loose_paths])
         self._jaxslice = _Static(
-            engine=engine, root=root, part_paths=part_paths, loose_paths=loose_paths,
-            start=engine.start, end=engine.end,
+            engine=engine,
+            root=root,
+            part_paths=part_paths,
+            loose_paths=loose_paths,
+            start=engine.start,
+            end=engine.end,
         )
 
     @property
@@ -110,7 +118,9 @@ class SlicedModule(nnx.Module):
         """DOT source with this slice highlighted; see `js.Sliced.to_dot`."""
         return self._jaxslice.engine.to_dot(depth, annotations)
 
-    def render(self, path: Any, depth: int | None = None, annotations: dict[str, Any] | None = None) -> str:
+    def render(
+        self, path: Any, depth: int | None = None, annotations: dict[str, Any] | None = None
+    ) -> str:
         """Renders `to_dot` with Graphviz's `dot`; see `js.Sliced.render`."""
         return self._jaxslice.engine.render(path, depth, annotations)
 
@@ -129,7 +139,9 @@ class SlicedModule(nnx.Module):
         engine = self._jaxslice.engine
         entry, leaves = engine._lookup(inputs, kwargs, None, True)
         variables = self._variables_by_path()
-        missing = [p for p in entry.plan.variable_paths + entry.plan.state_paths if p not in variables]
+        missing = [
+            p for p in entry.plan.variable_paths + entry.plan.state_paths if p not in variables
+        ]
         if missing:
             raise SliceError(
                 "In this mode the slice reads variables it does not hold: "

@@ -42,11 +42,19 @@ def default_layers(traced: _trace.Traced) -> list[str]:
             mine = c.path in own and c.method == "__call__"
         else:
             mine = not any(
-                d is not c and c.start <= d.start and d.stop <= c.stop and (d.start, d.stop) != (c.start, c.stop)
+                d is not c
+                and c.start <= d.start
+                and d.stop <= c.stop
+                and (d.start, d.stop) != (c.start, c.stop)
                 for d in calls
             )
         outs = [s for s in c.out_slots if s.id is not None]
-        if mine and len(c.out_slots) == 1 and len(outs) == 1 and len(graph.avals[outs[0].id].shape) >= 1:
+        if (
+            mine
+            and len(c.out_slots) == 1
+            and len(outs) == 1
+            and len(graph.avals[outs[0].id].shape) >= 1
+        ):
             layers.append(c.qualname)
     return layers
 
@@ -90,7 +98,9 @@ class Observer:
         if layers is None:
             layers = default_layers(traced)
         elif isinstance(layers, str) or not all(isinstance(n, str) for n in layers):
-            raise InvalidSpecError(f"`layers` must be a list of boundary names or None, got {layers!r}.")
+            raise InvalidSpecError(
+                f"`layers` must be a list of boundary names or None, got {layers!r}."
+            )
         resolver = Resolver(traced.graph)
         order = {}
         for name in layers:
@@ -98,14 +108,20 @@ class Observer:
             order[name] = (call.start, call.in_seq)
         layers = sorted(dict.fromkeys(layers), key=order.__getitem__)  # in call order
         if not layers:
-            raise InvalidSpecError("No layers to observe: the model has no module with parameters; name `layers`.")
+            raise InvalidSpecError(
+                "No layers to observe: the model has no module with parameters; name `layers`."
+            )
         self.layers = list(layers)
         ends = {n: (_plan.ActivationOf(n) if position == "activation" else n) for n in self.layers}
         self.engine = Sliced(traced, None, ends)
         split = traced.split
         self.variables = split.variables
         self.rngs = split.rngs
-        self.sample = [_trace.abstract(x) for x in jax.tree_util.tree_leaves((split.args, split.kwargs)) if _trace.is_traced_leaf(x)]
+        self.sample = [
+            _trace.abstract(x)
+            for x in jax.tree_util.tree_leaves((split.args, split.kwargs))
+            if _trace.is_traced_leaf(x)
+        ]
         base = self.engine._base
         self.shapes = [tuple(base.traced.graph.avals[i].shape) for i in base.plan.output_ids]
         self._steps: dict[tuple[int, int], Callable[..., Any]] = {}
@@ -119,7 +135,9 @@ class Observer:
         args = batch if isinstance(batch, tuple) else (batch,)
         leaves = [x for x in jax.tree_util.tree_leaves(args) if _trace.is_traced_leaf(x)]
         ok = len(leaves) == len(self.sample) and all(
-            jnp.ndim(x) == len(s.shape) and tuple(jnp.shape(x)[1:]) == tuple(s.shape[1:]) and jnp.result_type(x) == s.dtype
+            jnp.ndim(x) == len(s.shape)
+            and tuple(jnp.shape(x)[1:]) == tuple(s.shape[1:])
+            and jnp.result_type(x) == s.dtype
             for x, s in zip(leaves, self.sample, strict=False)
         )
         if not ok:
@@ -130,7 +148,13 @@ class Observer:
             )
         return args
 
-    def run(self, key: int, batch: Any, make_step: Callable[[Callable[..., list[Any]]], Callable[..., Any]], *state: Any) -> Any:
+    def run(
+        self,
+        key: int,
+        batch: Any,
+        make_step: Callable[[Callable[..., list[Any]]], Callable[..., Any]],
+        *state: Any,
+    ) -> Any:
         """Applies the compiled step ``make_step(layer_outputs_fn)`` to a batch and `state`."""
         args = self._inputs(batch)
         mutable = self.kind == "nnx"
@@ -140,7 +164,13 @@ class Observer:
 
             from ._interpret import variable_values
 
-            by_path = dict(zip(entry.traced.graph.variable_paths, variable_values(entry.traced, nnx.state(self.target)), strict=True))
+            by_path = dict(
+                zip(
+                    entry.traced.graph.variable_paths,
+                    variable_values(entry.traced, nnx.state(self.target)),
+                    strict=True,
+                )
+            )
             var_leaves = [by_path[p] for p in entry.plan.variable_paths]
         else:
             var_leaves = self.engine._variable_leaves(entry.plan, self.variables, strict=False)

@@ -129,7 +129,10 @@ def activation_of(graph: Graph, vid: int) -> int:
         others = [v for v in eqn.ins if v != vid]
         if len(eqn.outs) == 1 and all(graph.is_free(v) for v in others):
             out = graph.avals[eqn.outs[0]]
-            if getattr(out, "shape", None) == aval.shape and getattr(out, "dtype", None) == aval.dtype:
+            if (
+                getattr(out, "shape", None) == aval.shape
+                and getattr(out, "dtype", None) == aval.dtype
+            ):
                 return eqn.outs[0]
         return vid
     return vid
@@ -141,9 +144,13 @@ def resolve_ends(resolver: Resolver, graph: Graph, end: Any) -> Any:
             call, _ = resolver.resolve(spec.name, OUTPUT)
             ids = [s.id for s in call.out_slots]
             if len(ids) != 1 or ids[0] is None:
-                raise InvalidSpecError(f"{spec.name!r} does not return a single array, so it has no activation.")
+                raise InvalidSpecError(
+                    f"{spec.name!r} does not return a single array, so it has no activation."
+                )
             act = activation_of(graph, ids[0])
-            synthetic = dataclasses.replace(call, out_tree=jax.tree_util.tree_structure(0), out_slots=[Slot(act)])
+            synthetic = dataclasses.replace(
+                call, out_tree=jax.tree_util.tree_structure(0), out_slots=[Slot(act)]
+            )
             return Port(spec.name, synthetic, OUTPUT)
         if spec is None:
             out_call = dataclasses.replace(
@@ -179,14 +186,23 @@ def port_value_tree(graph: Graph, port: Port) -> Any:
     args = arguments_of(graph, port)
     trees = []
     for a in args:
-        trees.append(jax.tree_util.tree_unflatten(a.tree, [Slot(i) if i is not None else Slot(None) for i in a.slot_ids]))
+        trees.append(
+            jax.tree_util.tree_unflatten(
+                a.tree, [Slot(i) if i is not None else Slot(None) for i in a.slot_ids]
+            )
+        )
     if len(trees) == 1:
         return trees[0]
     return tuple(trees)
 
 
 def plan(
-    graph: Graph, resolver: Resolver, start: Any, end: Any, mutable: Any = False, owner_offset: int = 1
+    graph: Graph,
+    resolver: Resolver,
+    start: Any,
+    end: Any,
+    mutable: Any = False,
+    owner_offset: int = 1,
 ) -> Plan:
     specs = _normalise_starts(start)
     if specs is None:
@@ -212,7 +228,10 @@ def plan(
     end_ports = _flat_ports(ends)
     output_trees = _map_ports(lambda p: port_value_tree(graph, p), ends)
     output_ids: tuple[int, ...] = tuple(
-        s.id for tree in _flat_ports(output_trees, leaf_type=None) for s in jax.tree_util.tree_leaves(tree) if s.id is not None
+        s.id
+        for tree in _flat_ports(output_trees, leaf_type=None)
+        for s in jax.tree_util.tree_leaves(tree)
+        if s.id is not None
     )
     input_ids = tuple(i for a in arguments for i in a.input_ids)
     program = [(e.ins, e.outs) for e in graph.eqns]
@@ -226,21 +245,35 @@ def plan(
     collections: tuple[str, ...] = ()
     if graph.state_paths:
         whole = starts is None and isinstance(ends, Port) and ends.spec is None
-        own = _slice_state(graph, program, result, set(input_ids), output_ids, True, owner_offset, whole)
+        own = _slice_state(
+            graph, program, result, set(input_ids), output_ids, True, owner_offset, whole
+        )
         variables = graph.variable_set
         collections = tuple(sorted({_key(p[0]) for p, _ in own}))
         updated = tuple(sorted({_key(p[0]) for p, v in own if v not in variables}))
         if mutable:
-            wanted = None if mutable is True else ({mutable} if isinstance(mutable, str) else set(mutable))
+            wanted = (
+                None
+                if mutable is True
+                else ({mutable} if isinstance(mutable, str) else set(mutable))
+            )
             state_pairs = [(p, v) for p, v in own if wanted is None or _key(p[0]) in wanted]
         if state_pairs:
             result = _cut.cut(
-                program, graph.producer, set(input_ids), graph.is_free, output_ids + tuple(v for _, v in state_pairs)
+                program,
+                graph.producer,
+                set(input_ids),
+                graph.is_free,
+                output_ids + tuple(v for _, v in state_pairs),
             )
     result = _keep_effects(graph, result, set(input_ids))
-    result, program_eqns = _fold_regions(graph, program, result, set(input_ids), output_ids + tuple(v for _, v in state_pairs))
+    result, program_eqns = _fold_regions(
+        graph, program, result, set(input_ids), output_ids + tuple(v for _, v in state_pairs)
+    )
     used = result.used_free
-    var_pairs = [(v, p) for v, p in zip(graph.variable_ids, graph.variable_paths, strict=True) if v in used]
+    var_pairs = [
+        (v, p) for v, p in zip(graph.variable_ids, graph.variable_paths, strict=True) if v in used
+    ]
     return Plan(
         starts=starts,
         ends=ends,
@@ -277,8 +310,12 @@ def _keep_effects(graph: Graph, result: _cut.Cut, starts: set[int]) -> _cut.Cut:
     ]
     if not extra:
         return result
-    used_free = set(result.used_free) | {v for i in extra for v in graph.eqns[i].ins if graph.is_free(v)}
-    return dataclasses.replace(result, eqns=tuple(sorted(needed | set(extra))), used_free=frozenset(used_free))
+    used_free = set(result.used_free) | {
+        v for i in extra for v in graph.eqns[i].ins if graph.is_free(v)
+    }
+    return dataclasses.replace(
+        result, eqns=tuple(sorted(needed | set(extra))), used_free=frozenset(used_free)
+    )
 
 
 def _fold_regions(
@@ -291,7 +328,9 @@ def _fold_regions(
     for region in sorted(graph.regions, key=lambda r: (r.start, -r.stop)):
         if chosen and region.start < chosen[-1].stop:
             continue  # nested in a region already folded
-        if region.start == region.stop or not any(i in needed for i in range(region.start, region.stop)):
+        if region.start == region.stop or not any(
+            i in needed for i in range(region.start, region.stop)
+        ):
             continue
         internal = inside_values(region) - set(region.eqn.outs)
         if internal & starts or internal & set(outputs):
@@ -364,12 +403,17 @@ def _slice_state(
         keys = tuple(_key(k) for k in path)
         if not keys or (wanted is not None and keys[0] not in wanted):
             continue
-        owner = max((m for m in module_calls if keys[offset : offset + len(m)] == m), key=len, default=None)
+        owner = max(
+            (m for m in module_calls if keys[offset : offset + len(m)] == m), key=len, default=None
+        )
         if (owner is None and not whole) or (owner is not None and owner not in participating):
             continue
         if offset == 0 and vid in variable_set:
             continue  # unchanged: nothing to write back (NNX)
-        if vid not in variable_set and _cut.cut(program, graph.producer, input_ids, graph.is_free, [vid]).missing:
+        if (
+            vid not in variable_set
+            and _cut.cut(program, graph.producer, input_ids, graph.is_free, [vid]).missing
+        ):
             continue  # its final value comes from a call outside the slice
         chosen.append((path, vid))
     return chosen
@@ -392,7 +436,12 @@ def _map_ports(fn: Any, ends: Any) -> Any:
 
 
 def _check_connected(
-    graph: Graph, program: Any, arguments: Sequence[Argument], result: _cut.Cut, starts: tuple[Port, ...], ends: Any
+    graph: Graph,
+    program: Any,
+    arguments: Sequence[Argument],
+    result: _cut.Cut,
+    starts: tuple[Port, ...],
+    ends: Any,
 ) -> None:
     start_labels = ", ".join(p.label for p in starts)
     first_start = min(p.call.start for p in starts)
@@ -400,13 +449,19 @@ def _check_connected(
     for port in _flat_ports(ends):
         tree = port_value_tree(graph, port)
         ids = [s.id for s in jax.tree_util.tree_leaves(tree) if s.id is not None]
-        if not ids or ids and _cut.cut(program, graph.producer, input_ids, graph.is_free, ids).used_starts:
+        if (
+            not ids
+            or ids
+            and _cut.cut(program, graph.producer, input_ids, graph.is_free, ids).used_starts
+        ):
             continue
         order = ""
         if port.spec is not None and port.call.stop <= first_start:
             order = f" ({port.label} runs before the start.)"
         raise DisconnectedError(
-            DisconnectedError.TEMPLATE.format(what=f"{port.label} does not depend on the start {start_labels}.{order}")
+            DisconnectedError.TEMPLATE.format(
+                what=f"{port.label} does not depend on the start {start_labels}.{order}"
+            )
         )
     end_labels = ", ".join(p.label for p in _flat_ports(ends))
     for port in starts:
@@ -440,7 +495,9 @@ def _raise_missing(
         for s in call.in_slots:
             if s.id is not None:
                 landmarks.setdefault(s.id, (call, INPUT))
-    found = _cut.frontier(program, graph.producer, set(input_ids), graph.is_free, output_ids, landmarks.__contains__)
+    found = _cut.frontier(
+        program, graph.producer, set(input_ids), graph.is_free, output_ids, landmarks.__contains__
+    )
     model_inputs = set(graph.input_ids)
     names: list[str] = []
     for v in found:
@@ -462,7 +519,11 @@ def _raise_missing(
             additions.append(None)
             continue
         call_name, _, port = n.partition(":")
-        avals = [graph.avals[v] for v in found if v in landmarks and landmarks[v][0].qualname == call_name]
+        avals = [
+            graph.avals[v]
+            for v in found
+            if v in landmarks and landmarks[v][0].qualname == call_name
+        ]
         shapes = ", ".join(_short(a) for a in avals)
         what.append(f"the {port or 'output'} of {call_name!r} ({shapes})")
         additions.append(n if port else f"{n}:output")

@@ -40,7 +40,9 @@ def _make_entry(traced: Traced, start: Any, end: Any) -> _Entry:
     p = _plan.plan(
         graph, Resolver(graph), start, end, traced.split.mutable, traced.adapter.state_owner_offset
     )
-    fn = _interpret.emit(graph, p.program, [p.variable_ids, p.rng_ids, p.input_ids], p.output_ids + p.state_ids)
+    fn = _interpret.emit(
+        graph, p.program, [p.variable_ids, p.rng_ids, p.input_ids], p.output_ids + p.state_ids
+    )
     return _Entry(traced, p, fn, jax.jit(fn))
 
 
@@ -81,7 +83,9 @@ class Sliced:
         )
         self._entries: dict[Any, _Entry] = {key: entry}
         self._variables = (
-            prune(split.variables, set(entry.plan.variable_paths)) if traced.adapter.kind != "nnx" else None
+            prune(split.variables, set(entry.plan.variable_paths))
+            if traced.adapter.kind != "nnx"
+            else None
         )
         self._variable_index: dict[Any, list[int]] = {}
 
@@ -96,7 +100,9 @@ class Sliced:
         """The re-emitted program (a closed jaxpr) for the shapes it was sliced with."""
         e = self._base
         graph = e.traced.graph
-        avals = lambda ids: [jax.ShapeDtypeStruct(graph.avals[i].shape, graph.avals[i].dtype) for i in ids]  # noqa: E731
+        avals = lambda ids: [
+            jax.ShapeDtypeStruct(graph.avals[i].shape, graph.avals[i].dtype) for i in ids
+        ]  # noqa: E731
         closed, _ = _compat.make_jaxpr(
             e.fn, avals(e.plan.variable_ids), avals(e.plan.rng_ids), avals(e.plan.input_ids)
         )
@@ -105,7 +111,9 @@ class Sliced:
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         return self.apply(self._variables, *inputs, **kwargs)
 
-    def apply(self, variables: Any, *inputs: Any, rngs: Any = None, mutable: Any = False, **kwargs: Any) -> Any:
+    def apply(
+        self, variables: Any, *inputs: Any, rngs: Any = None, mutable: Any = False, **kwargs: Any
+    ) -> Any:
         """Runs the slice with the given variables, with linen's conventions.
 
         Args:
@@ -153,14 +161,19 @@ class Sliced:
         leaves = self._input_leaves(base.plan, inputs, kw_inputs)
         avals = tuple(_trace.abstract(x) for x in leaves)
         traced = base.traced
-        key = self._signature(avals, rngs, mode, mutable), traced.adapter.structure_key(traced.target)
+        key = (
+            self._signature(avals, rngs, mode, mutable),
+            traced.adapter.structure_key(traced.target),
+        )
         entry = self._entries.get(key)
         if entry is None:
             entry = self._retrace(avals, inputs, kw_inputs, mode, rngs, mutable)
             self._entries[key] = entry
         return entry, leaves
 
-    def _apply_full(self, variables: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rngs: Any) -> Any:
+    def _apply_full(
+        self, variables: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rngs: Any
+    ) -> Any:
         """Runs a slice from the model's inputs given the model's full variables."""
         entry, leaves = self._lookup(tuple(a for a in args), kwargs, rngs, False)
         var_leaves = self._variable_leaves(entry.plan, variables, strict=False)
@@ -219,7 +232,9 @@ class Sliced:
         entry = self._base
         if entry.traced.graph.partial:  # traced only up to the ends: draw the whole model
             if getattr(self, "_full", None) is None:
-                full = _trace.trace_split(entry.traced.adapter, entry.traced.target, entry.traced.split)
+                full = _trace.trace_split(
+                    entry.traced.adapter, entry.traced.target, entry.traced.split
+                )
                 self._full = _make_entry(full, self.start, self.end)
             entry = self._full
         traced = entry.traced
@@ -246,7 +261,9 @@ class Sliced:
 
         return to_dot(self._dag(depth, whole=False), annotations=annotations)
 
-    def render(self, path: Any, depth: int | None = None, annotations: dict[str, Any] | None = None) -> str:
+    def render(
+        self, path: Any, depth: int | None = None, annotations: dict[str, Any] | None = None
+    ) -> str:
         """Renders `to_dot` to an SVG/PNG/PDF file with Graphviz's `dot` (by suffix)."""
         from .render import render_dot
 
@@ -264,9 +281,15 @@ class Sliced:
 
     @staticmethod
     def _signature(avals: tuple[Any, ...], rngs: Any, mode: Mapping[str, Any], mutable: Any) -> Any:
-        shapes = tuple((tuple(a.shape), str(a.dtype)) if isinstance(a, jax.ShapeDtypeStruct) else a for a in avals)
+        shapes = tuple(
+            (tuple(a.shape), str(a.dtype)) if isinstance(a, jax.ShapeDtypeStruct) else a
+            for a in avals
+        )
         rng_leaves, rng_tree = jax.tree_util.tree_flatten(rngs)
-        rng_sig = (rng_tree, tuple((tuple(jnp.shape(k)), str(jnp.result_type(k))) for k in rng_leaves))
+        rng_sig = (
+            rng_tree,
+            tuple((tuple(jnp.shape(k)), str(jnp.result_type(k))) for k in rng_leaves),
+        )
         if mutable is True or not mutable:
             mut = bool(mutable)
         else:
@@ -288,9 +311,13 @@ class Sliced:
     @staticmethod
     def _traced_input_avals(entry: _Entry) -> tuple[Any, ...]:
         g = entry.traced.graph
-        return tuple(jax.ShapeDtypeStruct(g.avals[i].shape, g.avals[i].dtype) for i in entry.plan.input_ids)
+        return tuple(
+            jax.ShapeDtypeStruct(g.avals[i].shape, g.avals[i].dtype) for i in entry.plan.input_ids
+        )
 
-    def _input_leaves(self, plan: _plan.Plan, inputs: tuple[Any, ...], kw_inputs: dict[str, Any]) -> list[Any]:
+    def _input_leaves(
+        self, plan: _plan.Plan, inputs: tuple[Any, ...], kw_inputs: dict[str, Any]
+    ) -> list[Any]:
         positional = [a for a in plan.arguments if a.keyword is None]
         if len(inputs) != len(positional):
             raise InputMismatchError(
@@ -302,7 +329,9 @@ class Sliced:
         for arg in plan.arguments:
             value = kw_inputs.get(arg.keyword) if arg.keyword is not None else next(given)
             if arg.keyword is not None and arg.keyword not in kw_inputs:
-                raise InputMismatchError(f"Missing keyword input {arg.keyword!r} ({_describe_argument(arg)}).")
+                raise InputMismatchError(
+                    f"Missing keyword input {arg.keyword!r} ({_describe_argument(arg)})."
+                )
             flat, tree = jax.tree_util.tree_flatten(value)
             if tree != arg.tree:
                 raise InputMismatchError(
@@ -343,10 +372,12 @@ class Sliced:
             if batch is None:
                 new_args, new_kwargs = split.args, split.kwargs
             else:
-                resize = lambda x: (  # noqa: E731
-                    jax.ShapeDtypeStruct((batch, *jnp.shape(x)[1:]), x.dtype)
-                    if _trace.is_traced_leaf(x) and jnp.ndim(x) >= 1
-                    else x
+                resize = (
+                    lambda x: (  # noqa: E731
+                        jax.ShapeDtypeStruct((batch, *jnp.shape(x)[1:]), x.dtype)
+                        if _trace.is_traced_leaf(x) and jnp.ndim(x) >= 1
+                        else x
+                    )
                 )
                 new_args = jax.tree_util.tree_map(resize, split.args)
                 new_kwargs = jax.tree_util.tree_map(resize, split.kwargs)
@@ -384,7 +415,9 @@ class Sliced:
                 new = [p for p in missing if p not in allowed]
                 lines.append("missing: " + ", ".join(_path_str(p) for p in missing[:8]))
                 if new:
-                    lines.append("(this mode reads variables that `sub.variables` lacks; slice with this mode)")
+                    lines.append(
+                        "(this mode reads variables that `sub.variables` lacks; slice with this mode)"
+                    )
             if extra:
                 lines.append("not used by the slice: " + ", ".join(_path_str(p) for p in extra[:8]))
             raise VariablesMismatchError(
@@ -426,7 +459,11 @@ def _shapes(avals: tuple[Any, ...]) -> tuple[Any, ...]:
 def _new_batch_size(entry: _Entry, expected: tuple[Any, ...], got: tuple[Any, ...]) -> int | None:
     batch = None
     for e, g in zip(expected, got, strict=True):
-        if str(e.dtype) != str(g.dtype) or len(e.shape) != len(g.shape) or tuple(e.shape[1:]) != tuple(g.shape[1:]):
+        if (
+            str(e.dtype) != str(g.dtype)
+            or len(e.shape) != len(g.shape)
+            or tuple(e.shape[1:]) != tuple(g.shape[1:])
+        ):
             raise InputMismatchError(_mismatch_message(entry, expected, got))
         if e.shape and e.shape[0] != g.shape[0]:
             if batch is not None and batch != g.shape[0]:
@@ -446,8 +483,10 @@ def _mismatch_message(entry: _Entry, expected: tuple[Any, ...], got: tuple[Any, 
 
 
 def _describe_argument(arg: _plan.Argument) -> str:
-    where = f"keyword {arg.keyword!r}" if arg.keyword is not None else (
-        f"argument {arg.position}" if arg.position is not None else "output"
+    where = (
+        f"keyword {arg.keyword!r}"
+        if arg.keyword is not None
+        else (f"argument {arg.position}" if arg.position is not None else "output")
     )
     return f"{arg.port.label} {where}"
 
@@ -457,7 +496,9 @@ def _assemble(trees: Any, values: list[Any]) -> Any:
 
     def fill(tree: Any) -> Any:
         return jax.tree_util.tree_map(
-            lambda s: next(it) if s.id is not None else s.static, tree, is_leaf=lambda x: isinstance(x, Slot)
+            lambda s: next(it) if s.id is not None else s.static,
+            tree,
+            is_leaf=lambda x: isinstance(x, Slot),
         )
 
     if isinstance(trees, tuple):

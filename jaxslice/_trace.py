@@ -69,7 +69,9 @@ def stop_specs(start: Any, end: Any) -> list[Any] | None:
     return [s for s in starts if s is not None] + list(ends)
 
 
-def trace(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], stop_at: Any = None) -> Traced:
+def trace(
+    target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], stop_at: Any = None
+) -> Traced:
     adapter = adapter_for(target)
     split = adapter.split(target, args, kwargs)
     return trace_split(adapter, target, split, stop_at)
@@ -90,7 +92,10 @@ def _counts_key(adapter: Adapter, target: Any, split: Split) -> Any:
         key = (
             adapter.kind,
             structure,
-            tuple((tuple(jax.numpy.shape(x)), str(x.dtype)) if is_traced_leaf(x) else x for x in leaves),
+            tuple(
+                (tuple(jax.numpy.shape(x)), str(x.dtype)) if is_traced_leaf(x) else x
+                for x in leaves
+            ),
             tuple(sorted(split.mode.items())),
         )
         hash(key)
@@ -166,7 +171,9 @@ def trace_split(adapter: Adapter, target: Any, split: Split, stop_at: Any = None
     def program(var_a: list[Any], rng_a: list[Any], in_a: list[Any]) -> tuple[list[Any], list[Any]]:
         variables = rebuild_variables(_merge(var_mask, var_a, var_statics))
         rngs = jax.tree_util.tree_unflatten(rng_tree, _merge(rng_mask, rng_a, rng_statics))
-        call_args, call_kwargs = jax.tree_util.tree_unflatten(in_tree, _merge(in_mask, in_a, in_statics))
+        call_args, call_kwargs = jax.tree_util.tree_unflatten(
+            in_tree, _merge(in_mask, in_a, in_statics)
+        )
         rule = stop_rule(adapter, target, split, stop_at)
         try:
             with _markers.marking(), _markers.stopping(rule):
@@ -179,7 +186,9 @@ def trace_split(adapter: Adapter, target: Any, split: Split, stop_at: Any = None
         leaves, treedef = jax.tree_util.tree_flatten(out)
         mask = [is_traced_leaf(x) for x in leaves]
         out_info["tree"] = treedef
-        out_info["statics"] = {i: x for i, (x, m) in enumerate(zip(leaves, mask, strict=True)) if not m}
+        out_info["statics"] = {
+            i: x for i, (x, m) in enumerate(zip(leaves, mask, strict=True)) if not m
+        }
         state_flat = [(p, x) for p, x in adapter.flatten_state(state) if is_traced_leaf(x)]
         out_info["state_paths"] = [p for p, _ in state_flat]
         return [x for x, m in zip(leaves, mask, strict=True) if m], [x for _, x in state_flat]
@@ -223,7 +232,9 @@ def _reraise_model_error(error: Exception, split: Split) -> None:
         return
     hint = ModelTraceError.RNG_HINT if isinstance(error, flax.errors.InvalidRngError) else ""
     mode = f" (mode {split.mode}, mutable={split.mutable!r})" if split.mode or split.mutable else ""
-    raise ModelTraceError(ModelTraceError.TEMPLATE.format(mode=mode, error=error, hint=hint)) from error
+    raise ModelTraceError(
+        ModelTraceError.TEMPLATE.format(mode=mode, error=error, hint=hint)
+    ) from error
 
 
 _compat.register_frames_exclusion(__file__)

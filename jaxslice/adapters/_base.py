@@ -32,7 +32,13 @@ class Adapter:
         raise NotImplementedError
 
     def call(
-        self, target: Any, variables: Any, rngs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mutable: Any
+        self,
+        target: Any,
+        variables: Any,
+        rngs: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        mutable: Any,
     ) -> tuple[Any, Any]:
         """Runs the model with its module calls marked (marking is already switched on).
 
@@ -44,7 +50,9 @@ class Adapter:
         """Keyword arguments the model accepts, or None if it takes any."""
         return None
 
-    def flatten_variables(self, variables: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]]:
+    def flatten_variables(
+        self, variables: Any
+    ) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]]:
         """``[(path, leaf)]`` of the variables, and a function rebuilding them from leaves."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
         return flat, lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)
@@ -96,7 +104,10 @@ def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
 
     inputs, mode = {}, {}
     for k, v in kwargs.items():
-        if any(is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(v)):
+        if any(
+            is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
+            for leaf in jax.tree_util.tree_leaves(v)
+        ):
             inputs[k] = v
         else:
             mode[k] = v

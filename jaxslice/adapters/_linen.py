@@ -59,10 +59,23 @@ class LinenAdapter(Adapter):
         rngs = kwargs.pop("rngs", None)
         mutable = kwargs.pop("mutable", False)
         inputs, mode = split_kwargs(kwargs)
-        return Split(variables=args[0], rngs=rngs, args=tuple(args[1:]), kwargs=inputs, mode=mode, mutable=mutable)
+        return Split(
+            variables=args[0],
+            rngs=rngs,
+            args=tuple(args[1:]),
+            kwargs=inputs,
+            mode=mode,
+            mutable=mutable,
+        )
 
     def call(
-        self, target: Any, variables: Any, rngs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mutable: Any
+        self,
+        target: Any,
+        variables: Any,
+        rngs: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        mutable: Any,
     ) -> tuple[Any, Any]:
         import flax.linen as nn
 
@@ -74,7 +87,7 @@ class LinenAdapter(Adapter):
             return target.apply(variables, *args, **extra, mutable=True, **kwargs)
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
-        method = getattr(type(target), "__call__", None)
+        method = getattr(type(target), "__call__", None)  # noqa: B004 - the function, not a test
         names = keywords_of(method) if method is not None else None
         return None if names is None else (names - {"self"}) | {"method", "capture_intermediates"}
 

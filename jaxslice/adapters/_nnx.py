@@ -31,7 +31,9 @@ from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
 _PATHS: contextvars.ContextVar[dict[int, tuple[str, ...]] | None] = contextvars.ContextVar(
     "jaxslice_nnx_paths", default=None
 )
-_IN_CALL: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("jaxslice_nnx_in_call", default=frozenset())
+_IN_CALL: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "jaxslice_nnx_in_call", default=frozenset()
+)
 
 
 def is_nnx(target: Any) -> bool:
@@ -120,7 +122,7 @@ def marked_calls(model: Any) -> Iterator[None]:
         for cls in classes:
             current = cls.__dict__.get("__call__")
             if current is None or getattr(current, "__jaxslice_wrapped__", False):
-                if current is None and callable(getattr(cls, "__call__", None)):
+                if current is None and callable(getattr(cls, "__call__", None)):  # noqa: B004
                     inherited = cls.__call__
                     if getattr(inherited, "__jaxslice_wrapped__", False):
                         continue  # a patched base class already marks it
@@ -150,7 +152,9 @@ class NNXAdapter(Adapter):
         graphdef, state = nnx.split(target)
         flat = flat_state(state)
         variables = _NNXVariables(graphdef, flat)
-        return Split(variables=variables, rngs=None, args=tuple(args), kwargs=inputs, mode=mode, mutable=True)
+        return Split(
+            variables=variables, rngs=None, args=tuple(args), kwargs=inputs, mode=mode, mutable=True
+        )
 
     def resplit(self, target: Any, split: Split) -> Split:
         from flax import nnx
@@ -170,7 +174,9 @@ class NNXAdapter(Adapter):
 
         return nnx.graphdef(target)
 
-    def flatten_variables(self, variables: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]]:
+    def flatten_variables(
+        self, variables: Any
+    ) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]]:
         flat = [(tuple(path), get_value(v)) for path, v in variables.flat]
         return flat, variables.rebuild
 
@@ -178,7 +184,13 @@ class NNXAdapter(Adapter):
         return state
 
     def call(
-        self, target: Any, variables: Any, rngs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mutable: Any
+        self,
+        target: Any,
+        variables: Any,
+        rngs: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        mutable: Any,
     ) -> tuple[Any, Any]:
         from flax import nnx
 
@@ -192,7 +204,9 @@ class NNXAdapter(Adapter):
             raise
         after, state = nnx.split(model)
         if after != graphdef:
-            raise AttributeMutationError(AttributeMutationError.TEMPLATE.format(detail=_diff(graphdef, after)))
+            raise AttributeMutationError(
+                AttributeMutationError.TEMPLATE.format(detail=_diff(graphdef, after))
+            )
         return out, [(path, get_value(v)) for path, v in flat_state(state)]
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
@@ -202,7 +216,11 @@ class NNXAdapter(Adapter):
     def own_parameter_modules(self, variables: Any) -> set[tuple[str, ...]] | None:
         from flax import nnx
 
-        return {tuple(str(p) for p in path[:-1]) for path, v in variables.flat if isinstance(v, nnx.Param)}
+        return {
+            tuple(str(p) for p in path[:-1])
+            for path, v in variables.flat
+            if isinstance(v, nnx.Param)
+        }
 
     def parameter_counts(self, variables: Any) -> dict[str, int]:
         from flax import nnx

@@ -86,7 +86,13 @@ class PlainAdapter(Adapter):
         return Split(variables=args[0], rngs=None, args=tuple(args[1:]), kwargs=inputs, mode=mode)
 
     def call(
-        self, target: Any, variables: Any, rngs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mutable: Any
+        self,
+        target: Any,
+        variables: Any,
+        rngs: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        mutable: Any,
     ) -> tuple[Any, Any]:
         return target(variables, *args, **kwargs), None
 
@@ -96,6 +102,8 @@ class PlainAdapter(Adapter):
     def parameter_counts(self, variables: Any) -> dict[str, int]:
         flat = {}
         for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]:
-            keys = tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+            keys = tuple(
+                str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path
+            )
             flat[keys] = int(getattr(leaf, "size", 1))
         return count_by_prefix(flat)

@@ -15,4 +15,14 @@ from ._criteria import SignSign as SignSign
 from ._tracker import CoverageResult as CoverageResult
 from ._tracker import Tracker as Tracker
 
-__all__ = ["KMNC", "NBC", "NC", "SNAC", "TKNC", "CoverageResult", "Criterion", "SignSign", "Tracker"]
+__all__ = [
+    "KMNC",
+    "NBC",
+    "NC",
+    "SNAC",
+    "TKNC",
+    "CoverageResult",
+    "Criterion",
+    "SignSign",
+    "Tracker",
+]

@@ -43,7 +43,9 @@ class Criterion:
     def init(self, sizes: list[int]) -> Any:
         raise NotImplementedError
 
-    def update(self, state: Any, values: list[Any], scaled: list[Any] | None, profile: list[Moments] | None) -> Any:
+    def update(
+        self, state: Any, values: list[Any], scaled: list[Any] | None, profile: list[Moments] | None
+    ) -> Any:
         raise NotImplementedError
 
     def counts(self, state: Any) -> list[tuple[Any, int]]:
@@ -75,7 +77,11 @@ class NC(Criterion):
     needs_scaled = True
 
     def __init__(self, threshold: float = 0.5):
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, (int, float))
+            or not 0 <= threshold < 1
+        ):
             raise InvalidSpecError(f"NC threshold must be a number in [0, 1), got {threshold!r}.")
         self.threshold = float(threshold)
 
@@ -159,7 +165,9 @@ class SNAC(Criterion):
         return [jnp.zeros((n,), bool) for n in sizes]
 
     def update(self, state, values, scaled, profile):
-        return [s | jnp.any(v > p.high, axis=0) for s, v, p in zip(state, values, profile, strict=True)]
+        return [
+            s | jnp.any(v > p.high, axis=0) for s, v, p in zip(state, values, profile, strict=True)
+        ]
 
     def counts(self, state):
         return [(jnp.sum(s), s.size) for s in state]
@@ -238,7 +246,8 @@ class SignSign(Criterion):
             cov = cov | _ss_cover(s1, s1, s2, s2, tri)
             new_pairs.append(cov)
         new_history = [
-            jax.lax.dynamic_update_slice(h, s, (count, 0)) for h, s in zip(history, signs, strict=True)
+            jax.lax.dynamic_update_slice(h, s, (count, 0))
+            for h, s in zip(history, signs, strict=True)
         ]
         return new_pairs, new_history, count + b
 

@@ -41,7 +41,9 @@ class CoverageResult(dict):
             rows.append((crit, "(total)", f"{res['total']:.4f}"))
             rows += [("", key, f"{value:.4f}") for key, value in res["layers"].items()]
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        lines = [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
@@ -86,7 +88,9 @@ class Tracker:
         **kwargs: Any,
     ):
         if granularity not in GRANULARITIES:
-            raise InvalidSpecError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}.")
+            raise InvalidSpecError(
+                f"granularity must be one of {GRANULARITIES}, got {granularity!r}."
+            )
         if criteria is None:
             criteria = [NC(0.5), KMNC(10), NBC(), SNAC(), TKNC(2)]
         criteria = list(criteria)
@@ -99,7 +103,9 @@ class Tracker:
         self.granularity = granularity
         self._observer = Observer(target, args, kwargs, layers, position)
         self.layers = self._observer.layers
-        self.sizes = [int(neurons(jax.numpy.zeros(s), granularity).shape[1]) for s in self._observer.shapes]
+        self.sizes = [
+            int(neurons(jax.numpy.zeros(s), granularity).shape[1]) for s in self._observer.shapes
+        ]
         self._names = _names(criteria)
         self._profile: list[Moments] | None = None
         self.reset()
@@ -129,7 +135,9 @@ class Tracker:
             acc = self._observer.run(_PROFILE, batch, self._profile_step, acc)
             seen = True
         if not seen:
-            raise InvalidSpecError("`profile` got no batches; pass an iterable of training batches.")
+            raise InvalidSpecError(
+                "`profile` got no batches; pass an iterable of training batches."
+            )
         self._profile = acc
 
     def update(self, batch: Any) -> None:
@@ -144,7 +152,9 @@ class Tracker:
                     f"{limit}; {self._seen} were seen and this batch has {n}. Make it with a larger "
                     f"`capacity` (e.g. {type(crit).__name__}(capacity={2 * (self._seen + n)}))."
                 )
-        self._state = self._observer.run(_UPDATE, batch, self._update_step, self._state, self._profile)
+        self._state = self._observer.run(
+            _UPDATE, batch, self._update_step, self._state, self._profile
+        )
         self._seen += n
 
     def result(self) -> CoverageResult:
@@ -159,7 +169,9 @@ class Tracker:
             total = sum(n for _, n in counts)
             out[name] = {
                 "total": covered / total if total else 0.0,
-                "layers": {k: (c / n if n else 0.0) for k, (c, n) in zip(keys, counts, strict=True)},
+                "layers": {
+                    k: (c / n if n else 0.0) for k, (c, n) in zip(keys, counts, strict=True)
+                },
             }
         return out
 
@@ -178,7 +190,9 @@ class Tracker:
 
         def step(v: Any, r: Any, x: Any, acc: list[Moments]) -> list[Moments]:
             outs = outputs(v, r, x)
-            return [m.merge(Moments.of(neurons(o, granularity))) for m, o in zip(acc, outs, strict=True)]
+            return [
+                m.merge(Moments.of(neurons(o, granularity))) for m, o in zip(acc, outs, strict=True)
+            ]
 
         return step
 
@@ -199,7 +213,12 @@ class Tracker:
 def _names(criteria: list[Criterion]) -> list[str]:
     names = [c.name for c in criteria]
     dup = {n for n in names if names.count(n) > 1}
-    return [f"{c.name}({', '.join(f'{k}={v}' for k, v in vars(c).items())})" if c.name in dup else c.name for c in criteria]
+    return [
+        f"{c.name}({', '.join(f'{k}={v}' for k, v in vars(c).items())})"
+        if c.name in dup
+        else c.name
+        for c in criteria
+    ]
 
 
 _compat.register_frames_exclusion(__file__)

@@ -41,7 +41,9 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def to_dot(dag: nx.DiGraph, *, annotations: dict[str, Any] | None = None, title: str = "jaxslice") -> str:
+def to_dot(
+    dag: nx.DiGraph, *, annotations: dict[str, Any] | None = None, title: str = "jaxslice"
+) -> str:
     """DOT source: a cluster per containing module, a box per module call, shape-labelled edges.
 
     Nodes of the slice region are filled blue, the rest grey; `annotations` adds a line
@@ -65,12 +67,18 @@ def to_dot(dag: nx.DiGraph, *, annotations: dict[str, Any] | None = None, title:
     def node_line(name: str, attrs: dict[str, Any], indent: str) -> str:
         if name in (INPUTS, OUTPUT):
             return f"{indent}{_q(name)} [shape=oval, fillcolor=white];"
-        lines = [name, attrs["module_type"] + (f" ({attrs['params']:,} params)" if attrs.get("params") else "")]
+        lines = [
+            name,
+            attrs["module_type"]
+            + (f" ({attrs['params']:,} params)" if attrs.get("params") else ""),
+        ]
         if name in annotations:
             lines.append(_fmt(annotations[name]))
         color = _IN if attrs.get("in_slice", True) else _OUT
         font = "black" if attrs.get("in_slice", True) else "gray40"
-        return f'{indent}{_q(name)} [label={_label(*lines)}, fillcolor="{color}", fontcolor={font}];'
+        return (
+            f'{indent}{_q(name)} [label={_label(*lines)}, fillcolor="{color}", fontcolor={font}];'
+        )
 
     def emit(parent: str | None, indent: str) -> None:
         for name, is_container in children.get(parent, []):
@@ -81,7 +89,9 @@ def to_dot(dag: nx.DiGraph, *, annotations: dict[str, Any] | None = None, title:
                     label += f" {_fmt(annotations[name])}"
                 style = "rounded" if attrs.get("in_slice", True) else "rounded,dashed"
                 lines.append(f"{indent}subgraph {_q('cluster_' + name)} {{")
-                lines.append(f"{indent}  label={_q(label)}; style={_q(style)}; fontname=Helvetica; fontsize=10;")
+                lines.append(
+                    f"{indent}  label={_q(label)}; style={_q(style)}; fontname=Helvetica; fontsize=10;"
+                )
                 emit(name, indent + "  ")
                 lines.append(f"{indent}}}")
             else:
@@ -91,7 +101,9 @@ def to_dot(dag: nx.DiGraph, *, annotations: dict[str, Any] | None = None, title:
     for a, b, attrs in dag.edges(data=True):
         inside = dag.nodes[a].get("in_slice", True) and dag.nodes[b].get("in_slice", True)
         style = "" if inside else ", color=gray60, fontcolor=gray50"
-        lines.append(f"  {_q(a)} -> {_q(b)} [label={_q(', '.join(attrs.get('shapes', [])))}{style}];")
+        lines.append(
+            f"  {_q(a)} -> {_q(b)} [label={_q(', '.join(attrs.get('shapes', [])))}{style}];"
+        )
     lines.append("}")
     return "\n".join(lines) + "\n"
 

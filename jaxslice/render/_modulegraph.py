@@ -31,11 +31,15 @@ def _contains(outer: Call, inner: Call) -> bool:
     """Whether `inner` runs inside `outer` (a submodule, or a method of the same module)."""
     if outer is inner or not (outer.start <= inner.start and inner.stop <= outer.stop):
         return False
-    marked = all(abs(x) != float("inf") for x in (outer.in_seq, outer.out_seq, inner.in_seq, inner.out_seq))
+    marked = all(
+        abs(x) != float("inf") for x in (outer.in_seq, outer.out_seq, inner.in_seq, inner.out_seq)
+    )
     if marked and not (outer.in_seq <= inner.in_seq and inner.out_seq <= outer.out_seq):
         return False
     po, pi = _parts(outer), _parts(inner)
-    return pi[: len(po)] == po and (len(pi) > len(po) or "." in inner.name and "." not in outer.name)
+    return pi[: len(po)] == po and (
+        len(pi) > len(po) or "." in inner.name and "." not in outer.name
+    )
 
 
 def _short(aval: Any) -> str:
@@ -74,9 +78,20 @@ def module_graph(
     dag = nx.DiGraph()
     parameters = parameters or {}
     for name in [INPUTS, OUTPUT]:
-        dag.add_node(name, label=name, module_type="", params=0, inputs="", outputs="", parent=None, in_slice=True)
+        dag.add_node(
+            name,
+            label=name,
+            module_type="",
+            params=0,
+            inputs="",
+            outputs="",
+            parent=None,
+            in_slice=True,
+        )
     for c in calls:
-        ins = [graph.avals[s.id] for s in c.in_slots if s.id is not None and not graph.is_free(s.id)]
+        ins = [
+            graph.avals[s.id] for s in c.in_slots if s.id is not None and not graph.is_free(s.id)
+        ]
         outs = [graph.avals[s.id] for s in c.out_slots if s.id is not None]
         attrs = dict(
             label=c.qualname,
@@ -98,7 +113,11 @@ def module_graph(
 
 
 def _add_edges(
-    graph: Graph, dag: nx.DiGraph, nodes: list[Call], containers: list[Call], parents: dict[str, str | None]
+    graph: Graph,
+    dag: nx.DiGraph,
+    nodes: list[Call],
+    containers: list[Call],
+    parents: dict[str, str | None],
 ) -> None:
     # Glue equations inside a container (a residual add, say) take their source from the
     # container's own nodes when they have one, so edges follow the module structure.
