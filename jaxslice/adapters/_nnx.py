@@ -195,6 +195,7 @@ class NNXAdapter(Adapter):
         from flax import nnx
 
         model, graphdef = variables
+        before = _static_attributes(model)
         try:
             with marked_calls(model):
                 out = model(*args, **kwargs)
@@ -204,9 +205,8 @@ class NNXAdapter(Adapter):
             raise
         after, state = nnx.split(model)
         if after != graphdef:
-            raise AttributeMutationError(
-                AttributeMutationError.TEMPLATE.format(detail=_diff(graphdef, after))
-            )
+            changed = _changes(before, _static_attributes(model))
+            raise AttributeMutationError(AttributeMutationError.TEMPLATE.format(detail=changed))
         return out, [(path, get_value(v)) for path, v in flat_state(state)]
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
@@ -235,10 +235,26 @@ class NNXAdapter(Adapter):
         return counts
 
 
-def _diff(before: Any, after: Any) -> str:
-    a, b = str(before).splitlines(), str(after).splitlines()
-    changed = [y.strip() for x, y in zip(a, b, strict=False) if x != y]
-    return "; ".join(changed[:3]) or "its graph definition differs"
+def _static_attributes(model: Any) -> dict[str, str]:
+    """``{"path.attr": repr(value)}`` of the plain Python attributes of every submodule."""
+    from flax import nnx
+
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Module):
+            continue
+        for name, value in vars(node).items():
+            if name.startswith("_") or isinstance(value, (nnx.Module, nnx.Variable)) or _markers.is_array(value):
+                continue
+            if isinstance(value, (bool, int, float, str, tuple, type(None))):
+                out[".".join([*map(str, path), name])] = repr(value)
+    return out
+
+
+def _changes(before: dict[str, str], after: dict[str, str]) -> str:
+    keys = sorted(set(before) | set(after))
+    diffs = [f"{k}: {before.get(k, '<unset>')} -> {after.get(k, '<unset>')}" for k in keys if before.get(k) != after.get(k)]
+    return "; ".join(diffs[:4]) or "its graph structure changed"
 
 
 class _NNXVariables:
