@@ -199,17 +199,22 @@ class _Occurrence:
 
 
 class _Builder:
-    def __init__(self) -> None:
+    def __init__(self, scopes: bool = False) -> None:
         self.g = Graph()
         self.occurrences: list[_Occurrence] = []
         self._marker_memo: dict[int, bool] = {}
+        # With name-scope boundaries, a jit or remat body whose equations carry scopes is
+        # inlined too, so the regions inside it are found.
+        self.scopes = scopes
 
     def has_marker(self, jaxpr: Any) -> bool:
+        """Whether `jaxpr` holds boundaries: markers (or, with scopes, scoped equations)."""
         key = id(jaxpr)
         hit = self._marker_memo.get(key)
         if hit is None:
             hit = any(
                 _compat.marker_key(e) is not None
+                or (self.scopes and bool(_compat.eqn_scopes(e)))
                 or any(self.has_marker(s) for s in _compat.subjaxprs(e))
                 for e in jaxpr.eqns
             )
@@ -307,7 +312,7 @@ def build(
     name_scopes: bool = False,
 ) -> Graph:
     """Flattens a traced program whose invars are (variables, rngs, array inputs)."""
-    b = _Builder()
+    b = _Builder(scopes=name_scopes)
     g = b.g
     jaxpr, consts = _compat.open_jaxpr(closed_jaxpr)
     env: dict[Any, int] = {}
@@ -346,7 +351,8 @@ def build(
     if name_scopes:
         marked = {c.name for c in g.calls}
         g.calls += [c for c in _calls_from_scopes(g) if c.name not in marked]
-        g.calls.sort(key=lambda c: (c.start, -c.stop))
+        # Same span: marked calls in marker order, then scope regions outer first.
+        g.calls.sort(key=lambda c: (c.start, -c.stop, c.kind == "scope", len(c.path) if c.kind == "scope" else 0))
     _number_calls(g.calls)
     return g
 
@@ -463,13 +469,14 @@ def _calls_from_scopes(g: Graph) -> list[Call]:
     runs: list[tuple[tuple[str, ...], int, int]] = []
     open_runs: dict[tuple[str, ...], int] = {}
     for pos, eqn in enumerate(g.eqns):
-        prefixes = {eqn.scopes[: k + 1] for k in range(len(eqn.scopes))}
+        prefixes = [eqn.scopes[: k + 1] for k in range(len(eqn.scopes))]  # outer first
         for p in list(open_runs):
             if p not in prefixes:
                 runs.append((p, open_runs.pop(p), pos))
         for p in prefixes:
             open_runs.setdefault(p, pos)
     runs += [(p, s, len(g.eqns)) for p, s in open_runs.items()]
+    runs.sort(key=lambda r: (r[1], -r[2], len(r[0])))
     consumers_after = _last_reader(g)
     out_ids = {s.id for s in g.out_slots if s.id is not None}
     calls = []

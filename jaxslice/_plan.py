@@ -224,6 +224,7 @@ def plan(
             f"Two start boundaries take a keyword argument of the same name ({keywords}); "
             "name one of them by its `:output` port instead."
         )
+    _check_distinct_inputs(arguments)
     ends = resolve_ends(resolver, graph, end)
     end_ports = _flat_ports(ends)
     output_trees = _map_ports(lambda p: port_value_tree(graph, p), ends)
@@ -417,6 +418,22 @@ def _slice_state(
             continue  # its final value comes from a call outside the slice
         chosen.append((path, vid))
     return chosen
+
+
+def _check_distinct_inputs(arguments: Sequence[Argument]) -> None:
+    """Two inputs that are one value of the model cannot be fed different values."""
+    first: dict[int, Argument] = {}
+    for arg in arguments:
+        for vid in arg.input_ids:
+            other = first.setdefault(vid, arg)
+            if other is not arg or arg.input_ids.count(vid) > 1:
+                a, b = other.port.label, arg.port.label
+                where = f"{a} and {b} are" if a != b else f"{a} receives it twice and is"
+                raise InvalidSpecError(
+                    f"{where} the same value in the traced model, so a slice cannot take them as "
+                    "separate inputs (one would be silently ignored). Start at one of them, or at "
+                    "the module that produces that value (its ':output')."
+                )
 
 
 def _flat_ports(ends: Any, leaf_type: type | None = Port) -> list[Any]:
