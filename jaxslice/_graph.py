@@ -206,6 +206,8 @@ class _Builder:
         # With name-scope boundaries, a jit or remat body whose equations carry scopes is
         # inlined too, so the regions inside it are found.
         self.scopes = scopes
+        # Scope regions inside loop bodies: listed, but not sliceable (one per iteration).
+        self.loop_scopes: dict[tuple[str, ...], tuple[int, str]] = {}
 
     def has_marker(self, jaxpr: Any) -> bool:
         """Whether `jaxpr` holds boundaries: markers (or, with scopes, scoped equations)."""
@@ -289,6 +291,9 @@ class _Builder:
             for inner in sub.eqns:
                 key = _compat.marker_key(inner)
                 inner_scopes = scopes + _compat.eqn_scopes(inner)
+                if self.scopes:
+                    for k in range(len(scopes), len(inner_scopes)):
+                        self.loop_scopes.setdefault(inner_scopes[: k + 1], (pos, loop))
                 if key is not None:
                     rid, side, leaf = _markers.parse_key(key)
                     self.occurrences.append(
@@ -351,8 +356,38 @@ def build(
     if name_scopes:
         marked = {c.name for c in g.calls}
         g.calls += [c for c in _calls_from_scopes(g) if c.name not in marked]
+        known = {c.name for c in g.calls}
+        for scope, (pos, loop) in b.loop_scopes.items():
+            name = "/".join(scope)
+            if name not in known:
+                known.add(name)
+                empty = jax.tree_util.tree_structure(((), {}))
+                g.calls.append(
+                    Call(
+                        name,
+                        0,
+                        "named_scope",
+                        "",
+                        "scope",
+                        empty,
+                        [],
+                        empty,
+                        [],
+                        pos,
+                        pos + 1,
+                        loop,
+                        path=scope,
+                    )
+                )
         # Same span: marked calls in marker order, then scope regions outer first.
-        g.calls.sort(key=lambda c: (c.start, -c.stop, c.kind == "scope", len(c.path) if c.kind == "scope" else 0))
+        g.calls.sort(
+            key=lambda c: (
+                c.start,
+                -c.stop,
+                c.kind == "scope",
+                len(c.path) if c.kind == "scope" else 0,
+            )
+        )
     _number_calls(g.calls)
     return g
 

@@ -244,7 +244,11 @@ def _static_attributes(model: Any) -> dict[str, str]:
         if not isinstance(node, nnx.Module):
             continue
         for name, value in vars(node).items():
-            if name.startswith("_") or isinstance(value, (nnx.Module, nnx.Variable)) or _markers.is_array(value):
+            if (
+                name.startswith("_")
+                or isinstance(value, (nnx.Module, nnx.Variable))
+                or _markers.is_array(value)
+            ):
                 continue
             if isinstance(value, (bool, int, float, str, tuple, type(None))):
                 out[".".join([*map(str, path), name])] = repr(value)
@@ -253,7 +257,11 @@ def _static_attributes(model: Any) -> dict[str, str]:
 
 def _changes(before: dict[str, str], after: dict[str, str]) -> str:
     keys = sorted(set(before) | set(after))
-    diffs = [f"{k}: {before.get(k, '<unset>')} -> {after.get(k, '<unset>')}" for k in keys if before.get(k) != after.get(k)]
+    diffs = [
+        f"{k}: {before.get(k, '<unset>')} -> {after.get(k, '<unset>')}"
+        for k in keys
+        if before.get(k) != after.get(k)
+    ]
     return "; ".join(diffs[:4]) or "its graph structure changed"
 
 

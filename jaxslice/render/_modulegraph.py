@@ -69,7 +69,9 @@ def module_graph(
     containers: set[str] = set()
     for c in calls:
         outer = [p for p in calls if _contains(p, c)]
-        innermost = min(outer, key=lambda p: (p.stop - p.start, -p.in_seq, -len(_parts(p))), default=None)
+        innermost = min(
+            outer, key=lambda p: (p.stop - p.start, -p.in_seq, -len(_parts(p))), default=None
+        )
         parents[c.qualname] = innermost.qualname if innermost is not None else None
         if any(_contains(c, d) for d in calls):
             containers.add(c.qualname)
