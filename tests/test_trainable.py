@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import random_input as rand
+from conftest import random_variables
 
 import jaxslice as js
 
@@ -73,33 +75,6 @@ OUT_SHAPE = (BATCH, 3)
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def random_variables(model: nn.Module, *args: Any, seed: int = 0) -> Any:
-    """Seeded variables in ``model.init``'s structure (without compiling init).
-
-    Running statistics are non-trivial so BatchNorm in eval mode is not an identity.
-    """
-    shapes = jax.eval_shape(model.init, jax.random.key(0), *args)
-    rng = np.random.default_rng(seed)
-
-    def fill(path: Any, s: jax.ShapeDtypeStruct) -> jax.Array:
-        name = getattr(path[-1], "key", None)
-        if name == "var":
-            value = rng.uniform(0.5, 1.5, s.shape)
-        elif name == "kernel":
-            value = rng.normal(0.0, 1.0 / np.sqrt(max(1, int(np.prod(s.shape[:-1])))), s.shape)
-        elif name == "scale":
-            value = 1.0 + rng.normal(0.0, 0.2, s.shape)
-        else:
-            value = rng.normal(0.0, 0.5, s.shape)
-        return jnp.asarray(value, s.dtype)
-
-    return jax.tree_util.tree_map_with_path(fill, shapes)
-
-
-def rand(seed: int, shape: tuple[int, ...]) -> jax.Array:
-    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 
 
 def paths(tree: Any) -> dict[tuple[str, ...], Any]:
