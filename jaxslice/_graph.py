@@ -403,6 +403,8 @@ def _calls_from_markers(occurrences: list[_Occurrence], num_eqns: int) -> list[C
     ] = []
     for seq, occ in enumerate(occurrences):
         record = _markers.lookup(occ.record_id)
+        if record is None:
+            continue
         state = open_by_record.get(occ.record_id)
         if occ.side == _markers.INPUT:
             if state is None or state[3] or occ.leaf in state[2]:

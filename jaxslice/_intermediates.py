@@ -16,7 +16,9 @@ from ._errors import InvalidSpecError
 from ._sliced import Sliced
 
 _CACHE: collections.OrderedDict[Any, tuple[Any, Any]] = collections.OrderedDict()
-_CACHE_SIZE = 32
+# Entries keep compiled programs and abstract shapes, not the model's variables (linen and
+# plain functions); an NNX entry holds its model, so the cache stays small.
+_CACHE_SIZE = 8
 
 
 def _cache_key(target: Any, names: Any, kwargs: dict[str, Any]) -> Any:
@@ -61,6 +63,8 @@ def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> 
         if names is None:
             names = [c.qualname for c in traced.graph.calls if c.loop is None]
         engine = Sliced(traced, None, {n: n for n in names})
+        if traced.adapter.kind != "nnx":
+            engine._forget_values()
         if traced.adapter.kind == "nnx":
             from ._nnx_module import SlicedModule
 

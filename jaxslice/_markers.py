@@ -17,6 +17,7 @@ cache still yields one boundary per call that actually happens.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -51,7 +52,11 @@ class CallRecord:
     out_statics: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 
-_RECORDS: dict[int, CallRecord] = {}
+# Records are needed while a trace is turned into a graph, and again when JAX reuses a
+# cached trace of a jitted function (its markers name old records), so they are kept, but
+# only the newest `_MAX_RECORDS`: a marker whose record is gone is ignored.
+_RECORDS: collections.OrderedDict[int, CallRecord] = collections.OrderedDict()
+_MAX_RECORDS = 50_000
 _IDS = itertools.count()
 _LOCK = threading.Lock()
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxslice_marking", default=False)
@@ -110,8 +115,8 @@ def stopping(rule: StopRule | None) -> Iterator[None]:
         _STOP.reset(token)
 
 
-def lookup(record_id: int) -> CallRecord:
-    return _RECORDS[record_id]
+def lookup(record_id: int) -> CallRecord | None:
+    return _RECORDS.get(record_id)
 
 
 @contextlib.contextmanager
@@ -144,6 +149,8 @@ def new_record(*, kind: str, path: tuple[str, ...], method: str, module_type: st
         rid = next(_IDS)
     record = CallRecord(rid, kind, tuple(path), method, module_type)
     _RECORDS[rid] = record
+    while len(_RECORDS) > _MAX_RECORDS:
+        _RECORDS.popitem(last=False)
     return record
 
 

@@ -369,6 +369,15 @@ def _key(entry: Any) -> str:
     return str(getattr(entry, "key", getattr(entry, "idx", getattr(entry, "name", entry))))
 
 
+def _computable(graph: Graph, starts: set[int]) -> set[int]:
+    """Every value computable from `starts` and free values, in one pass over the program."""
+    done = set(starts)
+    for eqn in graph.eqns:
+        if all(v in done or graph.is_free(v) for v in eqn.ins):
+            done.update(eqn.outs)
+    return done
+
+
 def _slice_state(
     graph: Graph,
     program: Any,
@@ -384,11 +393,16 @@ def _slice_state(
     An entry belongs to the slice when the module that owns it (the longest module path
     that prefixes the entry's path) has a call with equations in the slice, and its new
     value can be computed from the slice's inputs. State of the top-level module itself
-    belongs only to a slice of the whole model (from its inputs to its output). State of modules outside the slice is
-    not returned, so merging the result back leaves it untouched.
+    belongs only to a slice of the whole model (from its inputs to its output). State of
+    modules outside the slice is not returned, so merging it back leaves them untouched.
     """
     wanted = None if mutable is True else ({mutable} if isinstance(mutable, str) else set(mutable))
+    # How many equations of the cut come before each position: a call takes part in the
+    # slice when its span holds one of them (a constant-time test per call).
+    before = [0] * (len(graph.eqns) + 1)
     in_cut = set(result.eqns)
+    for i in range(len(graph.eqns)):
+        before[i + 1] = before[i] + (i in in_cut)
     module_calls: dict[tuple[str, ...], list[Call]] = {}
     for call in graph.calls:
         if call.kind in ("linen", "nnx") and call.loop is None:
@@ -396,25 +410,23 @@ def _slice_state(
     participating = {
         path
         for path, calls in module_calls.items()
-        if any(any(i in in_cut for i in range(c.start, c.stop)) for c in calls)
+        if any(before[c.stop] > before[c.start] for c in calls)
     }
+    computable = _computable(graph, input_ids)
     chosen = []
     variable_set = graph.variable_set
     for path, vid in zip(graph.state_paths, graph.state_ids, strict=True):
         keys = tuple(_key(k) for k in path)
         if not keys or (wanted is not None and keys[0] not in wanted):
             continue
-        owner = max(
-            (m for m in module_calls if keys[offset : offset + len(m)] == m), key=len, default=None
-        )
+        rest = keys[offset:]
+        # The owner: the longest module path that prefixes the entry's path.
+        owner = next((rest[:n] for n in range(len(rest), 0, -1) if rest[:n] in module_calls), None)
         if (owner is None and not whole) or (owner is not None and owner not in participating):
             continue
         if offset == 0 and vid in variable_set:
             continue  # unchanged: nothing to write back (NNX)
-        if (
-            vid not in variable_set
-            and _cut.cut(program, graph.producer, input_ids, graph.is_free, [vid]).missing
-        ):
+        if vid not in variable_set and vid not in computable:
             continue  # its final value comes from a call outside the slice
         chosen.append((path, vid))
     return chosen

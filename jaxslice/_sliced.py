@@ -171,6 +171,17 @@ class Sliced:
             self._entries[key] = entry
         return entry, leaves
 
+    def _forget_values(self) -> None:
+        """Drops references to the model's arrays (keeping shapes), for long-lived caches.
+
+        Afterwards the slice must be run with variables passed in (`_apply_full`).
+        """
+        traced = self._base.traced
+        abstract = lambda t: jax.tree_util.tree_map(_trace.abstract, t)  # noqa: E731
+        traced.split = dataclasses.replace(traced.split, variables=abstract(traced.split.variables))
+        traced.variable_leaves = [_trace.abstract(x) for x in traced.variable_leaves]
+        self._variables = abstract(self._variables)
+
     def _apply_full(
         self, variables: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rngs: Any
     ) -> Any:
