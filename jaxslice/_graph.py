@@ -171,6 +171,19 @@ class Graph:
         )
 
 
+def innermost(calls: Sequence[Call], num_eqns: int) -> list[Call | None]:
+    """For each equation position, the innermost of `calls` whose span holds it.
+
+    Calls are visited outer to inner (by start, then longer span first, then call order),
+    so an inner call's span overwrites its parent's.
+    """
+    owner: list[Call | None] = [None] * num_eqns
+    for call in sorted(calls, key=lambda c: (c.start, -c.stop, c.in_seq)):
+        for i in range(call.start, call.stop):
+            owner[i] = call
+    return owner
+
+
 def describe_aval(aval: Any) -> str:
     """``float32[8, 16]``: how jaxslice prints a shape and dtype everywhere."""
     shape = getattr(aval, "shape", None)

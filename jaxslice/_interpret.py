@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from . import _compat
-from ._graph import Graph, Slot
+from ._graph import Graph, Slot, innermost
 
 
 def emit(
@@ -195,13 +195,8 @@ def _events(graph: Graph) -> dict[int, list[tuple[float, str, Any]]]:
 
 
 def _owner(graph: Graph) -> list[str | None]:
-    owner: list[str | None] = [None] * len(graph.eqns)
-    for call in sorted(
-        (c for c in graph.calls if c.loop is None), key=lambda c: (c.start, -c.stop)
-    ):
-        for i in range(call.start, call.stop):
-            owner[i] = call.qualname
-    return owner
+    calls = innermost([c for c in graph.calls if c.loop is None], len(graph.eqns))
+    return [c.qualname if c is not None else None for c in calls]
 
 
 def _source(eqn: Any) -> str | None:

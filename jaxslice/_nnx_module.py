@@ -18,6 +18,7 @@ from flax import nnx
 
 from . import _compat
 from ._errors import SliceError
+from ._graph import innermost
 from ._sliced import Sliced, _assemble
 from .adapters._nnx import get_value, set_value
 
@@ -43,15 +44,10 @@ def _held(root: Any, engine: Sliced) -> tuple[list[tuple[Any, ...]], list[tuple[
     wanted: set[tuple[Any, ...]] = set()
     # The innermost module call around each equation of the slice runs in it (and may
     # read flags such as `deterministic`), so the slice holds that module.
-    owner: dict[int, Any] = {}
-    calls = sorted(
-        (c for c in graph.calls if c.loop is None), key=lambda c: (c.start, -c.stop, c.in_seq)
-    )
-    for call in calls:
-        for i in range(call.start, call.stop):
-            owner[i] = call
+    calls = [c for c in graph.calls if c.loop is None]
+    owner = innermost(calls, len(graph.eqns))
     for i in plan.cut.eqns:
-        if i in owner and owner[i].path in by_str:
+        if owner[i] is not None and owner[i].path in by_str:
             wanted.add(by_str[owner[i].path])
     # A call without equations in this mode (dropout in eval mode) is held when the slice
     # passes through it, so switching modes later reaches it.

@@ -336,7 +336,9 @@ def _fold_regions(
         internal = inside_values(region) - set(region.eqn.outs)
         if internal & starts or internal & set(outputs):
             continue  # the slice starts or ends inside the region
-        read = {v for i in range(region.start, region.stop) if i in needed for v in graph.eqns[i].ins}
+        read = {
+            v for i in range(region.start, region.stop) if i in needed for v in graph.eqns[i].ins
+        }
         if any(v not in read and v not in graph.consts for v in region.eqn.ins):
             continue  # the region would read more than the slice needs (dead code inside it)
         chosen.append(region)

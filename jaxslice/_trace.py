@@ -116,8 +116,10 @@ def _remember_counts(key: Any, graph: _graph.Graph) -> None:
         _CALL_COUNTS.popitem(last=False)
 
 
-def stop_rule(adapter: Adapter, target: Any, split: Split, ends: Any) -> _markers.StopRule | None:
-    """How to end a trace early for these ends, or None to trace the whole model.
+def stop_rule(
+    adapter: Adapter, target: Any, split: Split, ends: list[Any] | None
+) -> _markers.StopRule | None:
+    """How to end a trace early once these boundaries (`stop_specs`) ran, or None.
 
     Only named ends of linen and NNX models qualify (their names are known at call time),
     and not when linen state updates are asked for (linen returns them only at the end).
@@ -129,12 +131,6 @@ def stop_rule(adapter: Adapter, target: Any, split: Split, ends: Any) -> _marker
     if ends is None or adapter.kind not in ("linen", "nnx"):
         return None
     if adapter.kind == "linen" and split.mutable:
-        return None
-    if isinstance(ends, str):
-        ends = [ends]
-    elif isinstance(ends, dict):
-        ends = list(ends.values())
-    elif not isinstance(ends, (list, tuple)):
         return None
     from ._names import parse
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import networkx as nx
 
-from .._graph import Call, Graph, describe_aval
+from .._graph import Call, Graph, describe_aval, innermost
 
 INPUTS = "<inputs>"
 OUTPUT = "<output>"
@@ -123,10 +123,7 @@ def _add_edges(
 ) -> None:
     # Glue equations inside a container (a residual add, say) take their source from the
     # container's own nodes when they have one, so edges follow the module structure.
-    box: list[str | None] = [None] * len(graph.eqns)
-    for c in sorted(containers, key=lambda c: (c.start, -c.stop, c.in_seq)):
-        for i in range(c.start, c.stop):
-            box[i] = c.qualname
+    box = [c.qualname if c is not None else None for c in innermost(containers, len(graph.eqns))]
     ancestors: dict[str, set[str]] = {}
     for c in nodes:
         chain, p = set(), parents.get(c.qualname)
@@ -134,11 +131,8 @@ def _add_edges(
             chain.add(p)
             p = parents.get(p)
         ancestors[c.qualname] = chain
-    owner: list[str | None] = [None] * len(graph.eqns)
+    owner = [c.qualname if c is not None else None for c in innermost(nodes, len(graph.eqns))]
     first = {c.qualname: c.start for c in nodes}
-    for c in sorted(nodes, key=lambda c: (c.start, -c.stop)):
-        for i in range(c.start, c.stop):
-            owner[i] = c.qualname
     src: dict[int, frozenset[str]] = {v: frozenset([INPUTS]) for v in graph.input_ids}
     starts: dict[int, list[Call]] = {}
     stops: dict[int, list[Call]] = {}
