@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_trees_all_close as assert_close
 from conftest import random_input as rand
 from conftest import random_variables
 
@@ -88,17 +89,6 @@ def paths(tree: Any) -> dict[tuple[str, ...], Any]:
 def module_paths(variables: Any, modules: set[str]) -> set[tuple[str, ...]]:
     """Leaf paths of `variables` (every collection) that belong to `modules`."""
     return {p for p in paths(variables) if p[1] in modules}
-
-
-def assert_close(actual: Any, expected: Any, atol: float = ATOL, rtol: float = RTOL) -> None:
-    a_leaves, a_tree = jax.tree_util.tree_flatten(actual)
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    assert a_tree == e_tree, f"tree structures differ:\n  actual:   {a_tree}\n  expected: {e_tree}"
-    for i, (a, e) in enumerate(zip(a_leaves, e_leaves, strict=True)):
-        a, e = np.asarray(a), np.asarray(e)
-        assert a.shape == e.shape, f"leaf {i}: shape {a.shape} != {e.shape}"
-        assert a.dtype == e.dtype, f"leaf {i}: dtype {a.dtype} != {e.dtype}"
-        np.testing.assert_allclose(a, e, atol=atol, rtol=rtol, err_msg=f"leaf {i}")
 
 
 @functools.cache
