@@ -25,7 +25,6 @@ from conftest import random_variables
 
 import jaxslice as js
 
-
 # Incremented each time `Tap.__call__` runs, i.e. each time the model is traced or run
 # eagerly. Tests read differences around calls of a slice, where it only counts traces.
 TRACES = [0]
