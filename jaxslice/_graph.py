@@ -365,7 +365,7 @@ def build(
     g.state_paths = list(state_paths)
     g.state_ids = [b.read(env, v) for v in outs]
     assert len(g.state_ids) == len(g.state_paths)
-    g.calls = _whole_loops(g, _calls_from_markers(b.occurrences, len(g.eqns)))
+    g.calls = _whole_loops(g, _calls_from_markers(b.occurrences))
     if name_scopes:
         marked = {c.name for c in g.calls}
         g.calls += [c for c in _calls_from_scopes(g) if c.name not in marked]
@@ -405,7 +405,7 @@ def build(
     return g
 
 
-def _calls_from_markers(occurrences: list[_Occurrence], num_eqns: int) -> list[Call]:
+def _calls_from_markers(occurrences: list[_Occurrence]) -> list[Call]:
     """Groups marker occurrences into calls: inputs, then the body, then outputs."""
     calls: list[Call] = []
     open_by_record: dict[

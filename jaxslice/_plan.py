@@ -230,7 +230,7 @@ def plan(
     output_trees = _map_ports(lambda p: port_value_tree(graph, p), ends)
     output_ids: tuple[int, ...] = tuple(
         s.id
-        for tree in _flat_ports(output_trees, leaf_type=None)
+        for tree in _flat_ports(output_trees)
         for s in jax.tree_util.tree_leaves(tree)
         if s.id is not None
     )
@@ -453,7 +453,8 @@ def _check_distinct_inputs(arguments: Sequence[Argument]) -> None:
                 )
 
 
-def _flat_ports(ends: Any, leaf_type: type | None = Port) -> list[Any]:
+def _flat_ports(ends: Any) -> list[Any]:
+    """The items of an end specification (a single item, a tuple or a dict), in order."""
     if isinstance(ends, tuple):
         return list(ends)
     if isinstance(ends, dict):
