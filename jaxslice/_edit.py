@@ -85,6 +85,7 @@ class Editor:
         self._replaced: dict[str, _Node] = {}
         self._removed: set[str] = set()
         self._inserted: dict[str, _Node] = {}
+        self._known: dict[tuple[str, str], Any] | None = None  # see `_shapes`
         self._taken = {c.qualname for c in traced.graph.calls} | {
             c.name for c in traced.graph.calls
         }
@@ -122,11 +123,11 @@ class Editor:
             )
             name = self._fresh_name("fn" if base == "<lambda>" else base)
         self._check_new_name(name)
-        node = self._new_node(fn_or_module, key, name, (self._probe()[(target, OUTPUT)],))
+        node = self._new_node(fn_or_module, key, name, (self._shapes()[(target, OUTPUT)],))
         self._after.setdefault(target, []).append(node)
         self._inserted[name] = node
         try:
-            self._probe()
+            self._known = self._probe()
         except Exception as error:
             self._after[target].remove(node)
             del self._inserted[name]
@@ -145,7 +146,7 @@ class Editor:
           The editor, so edits chain.
         """
         target = self._resolve(at)
-        sample = self._probe()[(target, INPUT)]
+        sample = self._shapes()[(target, INPUT)]
         # An inserted node takes one argument; a module call takes its array arguments.
         sample = (sample,) if target in self._inserted or not isinstance(sample, tuple) else sample
         if target in self._inserted:
@@ -153,7 +154,7 @@ class Editor:
             new = self._new_node(fn_or_module, key, target, sample)
             self._swap(old, new)
             try:
-                self._probe()
+                self._known = self._probe()
             except Exception as error:
                 self._swap(new, old)
                 raise SliceError(
@@ -172,7 +173,7 @@ class Editor:
         self._removed.discard(target)
         self._replaced[target] = self._new_node(fn_or_module, key, call.name, sample)
         try:
-            self._probe()
+            self._known = self._probe()
         except Exception as error:
             if previous is None:
                 del self._replaced[target]
@@ -195,7 +196,7 @@ class Editor:
           The editor, so edits chain.
         """
         target = self._resolve(at)
-        values = self._probe()
+        values = self._shapes()
         inp, out = values[(target, INPUT)], values[(target, OUTPUT)]
         same = jax.tree_util.tree_structure(inp) == jax.tree_util.tree_structure(out) and all(
             a.shape == b.shape and a.dtype == b.dtype
@@ -207,6 +208,7 @@ class Editor:
             raise SliceError(
                 REMOVE_MISMATCH.format(name=target, inp=_describe(inp), out=_describe(out))
             )
+        self._known = None  # the bypass changes what follows
         if target in self._inserted:
             node = self._inserted.pop(target)
             following = self._after.pop(target, [])
@@ -354,6 +356,12 @@ class Editor:
         raise InvalidSpecError(
             f"Expected a function or a linen module, got {type(fn_or_module).__name__}."
         )
+
+    def _shapes(self) -> dict[tuple[str, str], Any]:
+        """Shapes at every boundary of the edited model as it stands (probed once per edit)."""
+        if self._known is None:
+            self._known = self._probe()
+        return self._known
 
     def _probe(self) -> dict[tuple[str, str], Any]:
         """Shapes at every boundary of the edited model, from one abstract evaluation."""
