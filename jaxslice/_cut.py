@@ -66,6 +66,25 @@ def cut(
     return Cut(tuple(sorted(needed)), frozenset(used_starts), frozenset(used_free), tuple(missing))
 
 
+def computable(
+    program: Program,
+    starts: Collection[int],
+    is_free: Callable[[int], bool],
+    eqns: Sequence[int] | None = None,
+) -> set[int]:
+    """Every value computable from `starts` and free values (over `eqns`, default all).
+
+    >>> sorted(computable([((0,), (1,)), ((1, 5), (2,))], {0}, lambda v: False))
+    [0, 1]
+    """
+    done = set(starts)
+    for e in range(len(program)) if eqns is None else eqns:
+        ins, outs = program[e]
+        if all(v in done or is_free(v) for v in ins):
+            done.update(outs)
+    return done
+
+
 def frontier(
     program: Program,
     producer: Mapping[int, int],
@@ -88,12 +107,10 @@ def frontier(
     """
     starts = set(starts)
     reachable = cut(program, producer, starts, is_free, outputs)
-    computable: set[int] = set(starts)
+    done = computable(program, starts, is_free, reachable.eqns)
     from_start: set[int] = set(starts)
     for e in reachable.eqns:
         ins, outs = program[e]
-        if all(v in computable or is_free(v) for v in ins):
-            computable.update(outs)
         if any(v in from_start for v in ins):
             from_start.update(outs)
     found: list[int] = []
@@ -101,7 +118,7 @@ def frontier(
     stack = [v for v in outputs]
     while stack:
         v = stack.pop()
-        if v in seen or v in computable or is_free(v):
+        if v in seen or v in done or is_free(v):
             continue
         seen.add(v)
         if (is_landmark(v) and v not in from_start) or v not in producer:

@@ -374,15 +374,6 @@ def _key(entry: Any) -> str:
     return str(getattr(entry, "key", getattr(entry, "idx", getattr(entry, "name", entry))))
 
 
-def _computable(graph: Graph, starts: set[int]) -> set[int]:
-    """Every value computable from `starts` and free values, in one pass over the program."""
-    done = set(starts)
-    for eqn in graph.eqns:
-        if all(v in done or graph.is_free(v) for v in eqn.ins):
-            done.update(eqn.outs)
-    return done
-
-
 def _slice_state(
     graph: Graph,
     program: Any,
@@ -417,7 +408,7 @@ def _slice_state(
         for path, calls in module_calls.items()
         if any(before[c.stop] > before[c.start] for c in calls)
     }
-    computable = _computable(graph, input_ids)
+    computable = _cut.computable(program, input_ids, graph.is_free)
     chosen = []
     variable_set = graph.variable_set
     for path, vid in zip(graph.state_paths, graph.state_ids, strict=True):
