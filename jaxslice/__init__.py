@@ -1,7 +1,11 @@
 """jaxslice: slice, inspect and edit JAX and Flax models at the jaxpr level."""
 
+from typing import Any
+
 from . import coverage as coverage
-from ._activations import ActivationStats as ActivationStats
+from ._boundaries import boundaries as boundaries
+from ._caches import clear_caches as clear_caches
+from ._core.program import BuildInfo as BuildInfo
 from ._edit import Editor as Editor
 from ._edit import edit as edit
 from ._errors import AmbiguousBoundaryError as AmbiguousBoundaryError
@@ -17,23 +21,34 @@ from ._errors import UnknownBoundaryError as UnknownBoundaryError
 from ._errors import UnsupportedTargetError as UnsupportedTargetError
 from ._errors import VariablesMismatchError as VariablesMismatchError
 from ._intermediates import intermediates as intermediates
-from ._interpret import Equation as Equation
-from ._interpret import Interpreter as Interpreter
-from ._listing import Boundary as Boundary
-from ._listing import BoundaryTable as BoundaryTable
-from ._listing import boundaries as boundaries
-from ._nnx_module import SlicedModule as SlicedModule
+from ._interpreter import Equation as Equation
+from ._interpreter import Interpreter as Interpreter
 from ._slice import Sliceable as Sliceable
 from ._slice import slice as slice  # noqa: A004
 from ._sliced import Sliced as Sliced
+from ._table import Boundary as Boundary
+from ._table import BoundaryTable as BoundaryTable
 from ._version import __version__ as __version__
 from .adapters._plain import mark as mark
+from .observe import ActivationStats as ActivationStats
+
+
+def __getattr__(name: str) -> Any:
+    # `SlicedModule` is an `nnx.Module`: importing it imports Flax NNX, so it is loaded
+    # only when asked for (an NNX slice, or this attribute).
+    if name == "SlicedModule":
+        from .adapters._nnx_module import SlicedModule
+
+        return SlicedModule
+    raise AttributeError(f"module 'jaxslice' has no attribute {name!r}")
+
 
 __all__ = [
     "ActivationStats",
     "AmbiguousBoundaryError",
     "AttributeMutationError",
     "Boundary",
+    "BuildInfo",
     "BoundaryInLoopError",
     "BoundaryTable",
     "DisconnectedError",
@@ -53,6 +68,7 @@ __all__ = [
     "VariablesMismatchError",
     "__version__",
     "boundaries",
+    "clear_caches",
     "coverage",
     "edit",
     "intermediates",

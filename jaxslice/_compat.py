@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 import jax.extend.core as jex_core
-from jax._src import core as _core
+from jax._src import core as _jax_core
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _tbu
 from jax.ad_checkpoint import checkpoint_name
@@ -114,10 +114,7 @@ _register_call("jax._src.pjit", ("jit_p", "pjit_p"), "jaxpr")
 _register_call("jax._src.core", ("closed_call_p", "call_p"), "call_jaxpr")
 _register_call("jax._src.ad_checkpoint", ("remat_p",), "jaxpr")
 _register_call("jax._src.custom_derivatives", ("custom_jvp_call_p",), "call_jaxpr")
-# custom_vjp: `custom_vjp_call_p` holds `call_jaxpr` since JAX 0.5; older releases used
-# `custom_vjp_call_jaxpr_p` with `fun_jaxpr`. Remove the second once unsupported.
 _register_call("jax._src.custom_derivatives", ("custom_vjp_call_p",), "call_jaxpr")
-_register_call("jax._src.custom_derivatives", ("custom_vjp_call_jaxpr_p",), "fun_jaxpr")
 
 
 def call_body(eqn: Any) -> Any | None:
@@ -146,19 +143,29 @@ def primitive_name(eqn: Any) -> str:
 # --------------------------------------------------------------------------- markers
 
 
-def bind_marker(value: Any, key: str) -> None:
-    """Records `value` in the traced program under `key`; the value itself is unchanged."""
-    checkpoint_name(value, MARKER_PREFIX + key)
+class _MarkerName(str):
+    """A marker's name: a string for JAX, carrying jaxslice's payload for the graph builder.
+
+    JAX keeps equation params as they are (through `jit` caches, `grad`, `vmap` and
+    `checkpoint`), so the payload lives exactly as long as the traced program that holds
+    the marker, and no global table of records is needed.
+    """
+
+    __slots__ = ("payload",)
 
 
-def marker_key(eqn: Any) -> str | None:
-    """The key of a jaxslice marker equation, or None for any other equation."""
+def bind_marker(value: Any, payload: Any, label: str) -> None:
+    """Records `value` in the traced program with `payload`; the value itself is unchanged."""
+    name = _MarkerName(MARKER_PREFIX + label)
+    name.payload = payload
+    checkpoint_name(value, name)
+
+
+def marker_payload(eqn: Any) -> Any | None:
+    """The payload of a jaxslice marker equation, or None for any other equation."""
     if eqn.primitive.name != "name" or len(eqn.invars) != 1:
         return None
-    name = eqn.params.get("name")
-    if isinstance(name, str) and name.startswith(MARKER_PREFIX):
-        return name[len(MARKER_PREFIX) :]
-    return None
+    return getattr(eqn.params.get("name"), "payload", None)
 
 
 def _trace_context_flag() -> Any:
@@ -216,14 +223,9 @@ def source_line(eqn: Any) -> str | None:
 def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     """Applies an equation's primitive to new operands, as `jax.core.eval_jaxpr` does."""
     bind_params = eqn.primitive.get_bind_params(eqn.params)
-    # JAX < 0.10 returns (subfuns, params); 0.10 returns params alone.
-    if isinstance(bind_params, tuple):
-        subfuns, bind_params = bind_params
-    else:
-        subfuns = ()
     name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
     with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), _eqn_ctx(eqn):
-        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+        out = eqn.primitive.bind(*invals, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
@@ -238,9 +240,6 @@ def current_trace() -> Any:
 
     `jax._src.core.trace_ctx` exists since JAX 0.4.36 (the "stackless" core).
     """
-    ctx = getattr(_core, "trace_ctx", None)
+    ctx = getattr(_jax_core, "trace_ctx", None)
     return getattr(ctx, "trace", None) if ctx is not None else None
 
-
-def is_tracer(x: Any) -> bool:
-    return isinstance(x, _core.Tracer)

@@ -14,9 +14,15 @@ collections under its node name: ``variables["params"][name]`` for linen models,
 takes the replaced call's name, and the replaced module's own variables leave the edited
 model (its dead equations read their original values, and are dropped from slices).
 
-Sharp edges: edits apply to module outputs; the mode (keywords such as ``train=False``)
-is fixed when the editor is made; NNX models are not supported (assign new submodules to
-the model instead).
+An `Editor` holds an immutable tuple of edit records. An edit builds the next tuple and
+checks the edited model with it; only if that works does the editor take it (and return
+itself, so edits chain). A failed edit changes nothing, so there is nothing to roll back;
+`copy` gives an independent editor to branch from.
+
+Sharp edges: `insert_after` acts on a module's output, or on its input with the
+``:input`` port; `replace` and `remove` act on whole calls. The mode (keywords such as
+``train=False``) is fixed when the editor is made; NNX models are not supported (assign
+new submodules to the model instead).
 """
 
 from __future__ import annotations
@@ -27,12 +33,19 @@ from typing import Any
 
 import jax
 
-from . import _compat, _markers, _trace
+from . import _compat
+from ._core.emit import BoundaryEvent, Equation
+from ._core.emit import evaluate as evaluate_graph
+from ._core.markers import INPUT, OUTPUT, Origin, is_marking, mark_side, new_record
+from ._core.names import Resolver, parse
+from ._core.program import SliceProgram
+from ._core.trace import Traced, trace
 from ._errors import InvalidSpecError, SliceError, UnsupportedTargetError
-from ._interpret import Interpreter, _run
-from ._markers import INPUT, OUTPUT
-from ._names import Resolver
-from ._sliced import Sliced, prune
+from ._slice import view
+from ._table import BoundaryTable, describe
+from ._trees import prune
+from .adapters import adapter_for
+from .adapters._plain import PlainAdapter
 
 REMOVE_MISMATCH = (
     "Cannot remove {name!r}: removing bypasses a module (its output becomes its input), so "
@@ -45,68 +58,153 @@ BREAKS_MODEL = (
     "The new node must return what the rest of the model reads (same structure, shapes and "
     "dtypes), unless nothing reads that value afterwards (a new head, say)."
 )
+WHOLE_CALLS = (
+    "{op}({name!r}) acts on a whole module call, so it takes no port suffix; use "
+    "{op}({base!r}). To change only what a module receives, use "
+    "insert_after({base_input!r}, fn)."
+)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Node:
     name: str
     fn: Callable[..., Any]  # fn(node_variables, *args) -> output
     module: Any  # the linen module, or None for a plain function
-    variables: Any  # its own variables: {collection: ...} for linen, a pytree otherwise
+    variables: Any  # its own variables ({collection: ...} for linen), or None
+
+    @property
+    def module_type(self) -> str:
+        if self.module is not None:
+            return type(self.module).__name__
+        return getattr(self.fn, "__name__", "function")
 
 
-def _describe(tree: Any) -> str:
-    return str(jax.tree_util.tree_map(lambda x: f"{x.dtype}{list(x.shape)}", tree))
+@dataclasses.dataclass(frozen=True)
+class _Edit:
+    op: str  # "insert", "replace" or "remove"
+    at: str  # the call's qualified name or an inserted node's name
+    port: str  # the side an insertion acts on
+    node: _Node | None = None
 
 
-def _is_linen(obj: Any) -> bool:
-    from .adapters._linen import is_linen
+@dataclasses.dataclass
+class _Tables:
+    """The edits replayed: what happens at each boundary of the edited model."""
 
-    return is_linen(obj)
+    after: dict[tuple[str, str], list[_Node]] = dataclasses.field(default_factory=dict)
+    replaced: dict[str, _Node] = dataclasses.field(default_factory=dict)
+    removed: set[str] = dataclasses.field(default_factory=set)
+    inserted: dict[str, _Node] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, edits: tuple[_Edit, ...]) -> _Tables:
+        t = cls()
+        for e in edits:
+            getattr(t, f"_{e.op}")(e)
+        return t
+
+    def _insert(self, e: _Edit) -> None:
+        self.after.setdefault((e.at, e.port), []).append(e.node)
+        self.inserted[e.node.name] = e.node
+
+    def _replace(self, e: _Edit) -> None:
+        if e.at in self.inserted:
+            old = self.inserted[e.at]
+            self.inserted[e.at] = e.node
+            for nodes in self.after.values():
+                nodes[:] = [e.node if n is old else n for n in nodes]
+            return
+        self.removed.discard(e.at)
+        self.replaced[e.at] = e.node
+
+    def _remove(self, e: _Edit) -> None:
+        if e.at not in self.inserted:
+            self.replaced.pop(e.at, None)
+            self.removed.add(e.at)
+            return
+        node = self.inserted.pop(e.at)
+        following = self.after.pop((e.at, OUTPUT), [])
+        for nodes in self.after.values():
+            if node in nodes:
+                i = nodes.index(node)
+                nodes[i : i + 1] = following
+
+    def nodes(self) -> list[_Node]:
+        return list(self.inserted.values()) + list(self.replaced.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Base:
+    """What every editor of one model shares (never changed by an edit)."""
+
+    program: SliceProgram
+    resolver: Resolver
+    taken: frozenset[str]
+
+    @property
+    def split(self) -> Any:
+        return self.program.base.traced.split
 
 
 class Editor:
-    """A graph-editing session over a model; see `js.edit`."""
+    """A graph-editing session over a model (a tuple of edit records); see `js.edit`."""
 
     def __init__(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]):
-        traced = _trace.trace(target, args, kwargs)
-        if traced.adapter.kind == "nnx":
-            raise UnsupportedTargetError(
-                "js.edit does not support Flax NNX models: edit an NNX model by assigning new "
-                "submodules to it (e.g. `model.head = nnx.Sequential(model.head, adapter)`), "
-                "then slice it with js.slice."
-            )
-        self._linen = traced.adapter.kind == "linen"
-        self._traced = traced
-        self._engine = Sliced(traced, None, None)
-        self._split = traced.split
-        self._resolver = Resolver(traced.graph)
-        self._after: dict[str, list[_Node]] = {}
-        self._replaced: dict[str, _Node] = {}
-        self._removed: set[str] = set()
-        self._inserted: dict[str, _Node] = {}
-        self._known: dict[tuple[str, str], Any] | None = None  # see `_shapes`
-        self._taken = {c.qualname for c in traced.graph.calls} | {
-            c.name for c in traced.graph.calls
-        }
-        variables = self._split.variables
-        if isinstance(variables, Mapping):
-            pool = variables.get("params", {}) if self._linen else variables
-            self._taken |= {str(k) for k in pool} if isinstance(pool, Mapping) else set()
+        refusal = adapter_for(target).edit_refusal()
+        if refusal is not None:
+            raise UnsupportedTargetError(refusal)
+        program = SliceProgram.build(target, args, kwargs, None, None)
+        self._variables = program.adapter.split(target, args, kwargs).variables
+        graph = program.base.traced.graph
+        taken = {c.qualname for c in graph.calls} | {c.name for c in graph.calls}
+        taken |= program.adapter.variable_names(program.variables)
+        self._base = _Base(program, Resolver(graph), frozenset(taken))
+        self._edits: tuple[_Edit, ...] = ()
+        self._tables = _Tables()
+        self._known: dict[tuple[str, str], Any] | None = None
+
+    def _commit(self, edit: _Edit, probe: str | None) -> Editor:
+        """Adds `edit`: the editor's state is replaced at once, only if the edit works."""
+        new = self._with(edit, probe)
+        self._edits, self._tables, self._known = new._edits, new._tables, new._known
+        return self
+
+    def copy(self) -> Editor:
+        """An independent editor with the same edits (later edits to either stay apart)."""
+        new = object.__new__(Editor)
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def _with(self, edit: _Edit, probe: str | None) -> Editor:
+        """A new editor with `edit` added; `probe` names the edit for error messages."""
+        new = object.__new__(Editor)
+        new._variables, new._base = self._variables, self._base
+        new._edits = self._edits + (edit,)
+        new._tables = _Tables.of(new._edits)
+        new._known = None
+        if probe is not None:
+            try:
+                new._known = new._probe()
+            except SliceError:
+                raise
+            except Exception as error:
+                raise SliceError(BREAKS_MODEL.format(what=probe, error=error)) from error
+        return new
 
     # ------------------------------------------------------------------ edits
 
     def insert_after(
         self, at: str, fn_or_module: Any, /, *, key: Any = None, name: str | None = None
     ) -> Editor:
-        """Inserts a function or linen module after a boundary's output.
+        """Inserts a function or linen module after a boundary's output (or input).
 
-        Everything that read the boundary's output reads the node's output instead. A
-        linen module's variables are initialised with `key` (on the boundary's output) and
-        become trainable variables under the node's name.
+        Everything that read the boundary's output reads the node's output instead. With
+        the ``:input`` port (``"block:input"``) the node transforms what the module
+        receives. A linen module's variables are initialised with `key` (on the value it
+        receives) and become trainable variables under the node's name.
 
         Args:
-          at: the boundary (or an inserted node) whose output the node receives.
+          at: the boundary (or an inserted node) whose value the node receives.
           fn_or_module: a function ``f(value)`` or a linen module.
           key: a PRNG key, needed for a linen module.
           name: the node's name (a boundary name from now on); generated if omitted.
@@ -114,27 +212,12 @@ class Editor:
         Returns:
           The editor, so edits chain.
         """
-        target = self._resolve(at)
-        if name is None:
-            base = (
-                type(fn_or_module).__name__
-                if _is_linen(fn_or_module)
-                else getattr(fn_or_module, "__name__", "fn")
-            )
-            name = self._fresh_name("fn" if base == "<lambda>" else base)
+        target, port = self._resolve(at)
+        name = self._fresh_name(fn_or_module) if name is None else name
         self._check_new_name(name)
-        node = self._new_node(fn_or_module, key, name, (self._shapes()[(target, OUTPUT)],))
-        self._after.setdefault(target, []).append(node)
-        self._inserted[name] = node
-        try:
-            self._known = self._probe()
-        except Exception as error:
-            self._after[target].remove(node)
-            del self._inserted[name]
-            raise SliceError(
-                BREAKS_MODEL.format(what=f"Inserting {name!r} after {target!r}", error=error)
-            ) from error
-        return self
+        node = _new_node(fn_or_module, key, name, (self._shapes()[(target, port)],))
+        edit = _Edit("insert", target, port, node)
+        return self._commit(edit, f"Inserting {name!r} after {target!r}:{port}")
 
     def replace(self, at: str, fn_or_module: Any, /, *, key: Any = None) -> Editor:
         """Replaces a module call (or an inserted node) by a function or linen module.
@@ -145,46 +228,14 @@ class Editor:
         Returns:
           The editor, so edits chain.
         """
-        target = self._resolve(at)
+        target = self._whole_call("replace", at)
         sample = self._shapes()[(target, INPUT)]
-        # An inserted node takes one argument; a module call takes its array arguments.
-        sample = (sample,) if target in self._inserted or not isinstance(sample, tuple) else sample
-        if target in self._inserted:
-            old = self._inserted[target]
-            new = self._new_node(fn_or_module, key, target, sample)
-            self._swap(old, new)
-            try:
-                self._known = self._probe()
-            except Exception as error:
-                self._swap(new, old)
-                raise SliceError(
-                    BREAKS_MODEL.format(what=f"Replacing {target!r}", error=error)
-                ) from error
-            return self
-        call, _ = self._resolver.resolve(target, OUTPUT)
-        if call.count > 1 and _is_linen(fn_or_module):
-            raise InvalidSpecError(
-                f"{call.name!r} is a module called {call.count} times; replacing one call by a module with "
-                "its own variables would give two modules one name. Replace it with a function, or "
-                "insert the new module with `insert_after` and remove the call."
-            )
-        previous = self._replaced.get(target)
-        was_removed = target in self._removed
-        self._removed.discard(target)
-        self._replaced[target] = self._new_node(fn_or_module, key, call.name, sample)
-        try:
-            self._known = self._probe()
-        except Exception as error:
-            if previous is None:
-                del self._replaced[target]
-            else:
-                self._replaced[target] = previous
-            if was_removed:
-                self._removed.add(target)
-            raise SliceError(
-                BREAKS_MODEL.format(what=f"Replacing {target!r}", error=error)
-            ) from error
-        return self
+        inserted = target in self._tables.inserted
+        sample = (sample,) if inserted or not isinstance(sample, tuple) else sample
+        name = target if inserted else self._base.resolver.resolve(target, OUTPUT)[0].name
+        self._check_replaceable(target, fn_or_module)
+        node = _new_node(fn_or_module, key, name, sample)
+        return self._commit(_Edit("replace", target, OUTPUT, node), f"Replacing {target!r}")
 
     def remove(self, at: str, /) -> Editor:
         """Bypasses a module call or an inserted node: its output becomes its input.
@@ -195,82 +246,56 @@ class Editor:
         Returns:
           The editor, so edits chain.
         """
-        target = self._resolve(at)
+        target = self._whole_call("remove", at)
         values = self._shapes()
         inp, out = values[(target, INPUT)], values[(target, OUTPUT)]
-        same = jax.tree_util.tree_structure(inp) == jax.tree_util.tree_structure(out) and all(
-            a.shape == b.shape and a.dtype == b.dtype
-            for a, b in zip(
-                jax.tree_util.tree_leaves(inp), jax.tree_util.tree_leaves(out), strict=True
-            )
-        )
-        if not same:
+        if not _same_shapes(inp, out):
             raise SliceError(
                 REMOVE_MISMATCH.format(name=target, inp=_describe(inp), out=_describe(out))
             )
-        self._known = None  # the bypass changes what follows
-        if target in self._inserted:
-            node = self._inserted.pop(target)
-            following = self._after.pop(target, [])
-            for nodes in self._after.values():
-                if node in nodes:
-                    i = nodes.index(node)
-                    nodes[i : i + 1] = following
-            return self
-        self._replaced.pop(target, None)
-        self._removed.add(target)
-        return self
+        return self._commit(_Edit("remove", target, OUTPUT), None)
 
     # ------------------------------------------------------------------ results
 
     @property
     def variables(self) -> Any:
         """The edited model's variables: the model's, plus those of new modules."""
-        base = self._split.variables
-        nodes = self._nodes()
-        if not any(n.variables is not None for n in nodes):
+        base = self._variables
+        nodes = [n for n in self._tables.nodes() if n.variables is not None]
+        if not nodes:
             return base
         if not isinstance(base, Mapping):
             raise InvalidSpecError(
-                "New modules bring variables, but the model's variables are not a dict, so there is "
-                "no place for them. Use a dict of parameters, or insert plain functions."
+                "New modules bring variables, but the model's variables are not a dict, so "
+                "there is no place for them. Use a dict of parameters, or insert plain functions."
             )
-        shadowed = {
-            p
-            for p, _ in jax.tree_util.tree_flatten_with_path(base)[0]
-            if self._owner(p) is not None
+        kept = {
+            p for p, _ in jax.tree_util.tree_flatten_with_path(base)[0] if self._owner(p) is None
         }
-        kept = set(p for p, _ in jax.tree_util.tree_flatten_with_path(base)[0]) - shadowed
         out = prune(base, kept) or {}
         out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in out.items()}
         for node in nodes:
-            if node.variables is None:
-                continue
-            if self._linen:
-                for collection, values in node.variables.items():
-                    out.setdefault(collection, {})[node.name] = values
-            else:
-                out[node.name] = node.variables
+            self._base.program.adapter.with_node(out, node.name, node.variables)
         return out
 
-    def build(self) -> Sliced:
+    def build(self) -> Any:
         """The whole edited model as a `js.Sliced` (trainable, jit-compiled)."""
         return self.slice()
 
-    def slice(self, start: Any = None, end: Any = None) -> Sliced:
+    def slice(self, start: Any = None, end: Any = None) -> Any:
         """A slice of the edited model; inserted nodes are boundaries too."""
-        return Sliced(self._trace(), start, end)
+        return view(SliceProgram(self._trace(), start, end))
 
-    def boundaries(self) -> Any:
+    def boundaries(self) -> BoundaryTable:
         """`js.boundaries` of the edited model."""
-        from ._listing import describe
-
         return describe(self._trace())
 
     def to_networkx(self, depth: int | None = None) -> Any:
         """The edited model's module DAG; new and replaced nodes have ``in_slice`` set."""
-        dag = self.build()._dag(depth, whole=True)
-        edited = set(self._inserted) | set(self._replaced)
+        from .render import slice_graph
+
+        dag = slice_graph(SliceProgram(self._trace(), None, None), depth, whole=True)
+        edited = set(self._tables.inserted) | set(self._tables.replaced)
         for name, attrs in dag.nodes(data=True):
             if not name.startswith("<"):
                 attrs["in_slice"] = name in edited
@@ -294,31 +319,55 @@ class Editor:
 
     # ------------------------------------------------------------------ internals
 
-    def _trace(self) -> _trace.Traced:
-        fn = _EditedModel(self, None)
-        return _trace.trace(fn, (self.variables, *self._split.args), dict(self._split.kwargs))
-
-    def _nodes(self) -> list[_Node]:
-        return list(self._inserted.values()) + list(self._replaced.values())
+    def _trace(self) -> Traced:
+        split = self._base.split
+        args = (self.variables, *split.args)
+        return trace(_EditedModel(self, None), args, dict(split.kwargs), adapter=_EDITED)
 
     def _owner(self, path: tuple[Any, ...]) -> _Node | None:
         """The new node whose variables live at `path`, if any."""
-        keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
-        name_at = keys[1] if self._linen and len(keys) > 1 else (keys[0] if keys else None)
-        for node in self._nodes():
-            if node.variables is not None and str(name_at) == node.name:
-                return node
-        return None
+        name = self._base.program.adapter.node_of(path)
+        nodes = self._tables.nodes()
+        return next((n for n in nodes if n.variables is not None and name == n.name), None)
 
-    def _resolve(self, name: str) -> str:
-        if isinstance(name, str) and name in self._inserted:
-            return name
-        call, _ = self._resolver.resolve(name, OUTPUT)
-        return call.qualname
+    def _resolve(self, spec: str) -> tuple[str, str]:
+        """The qualified name and port of a boundary or an inserted node."""
+        if isinstance(spec, str):
+            base, _, port = parse(spec)
+            if base in self._tables.inserted:
+                return base, port or OUTPUT
+        call, port = self._base.resolver.resolve(spec, OUTPUT)
+        return call.qualname, port
 
-    def _fresh_name(self, base: str) -> str:
+    def _whole_call(self, op: str, spec: str) -> str:
+        target, port = self._resolve(spec)
+        if isinstance(spec, str) and parse(spec)[2] is not None:
+            base = spec.rpartition(":")[0]
+            raise InvalidSpecError(
+                WHOLE_CALLS.format(op=op, name=spec, base=base, base_input=f"{base}:input")
+            )
+        return target
+
+    def _check_replaceable(self, target: str, fn_or_module: Any) -> None:
+        if target in self._tables.inserted:
+            return
+        call, _ = self._base.resolver.resolve(target, OUTPUT)
+        if call.count > 1 and _is_linen(fn_or_module):
+            raise InvalidSpecError(
+                f"{call.name!r} is a module called {call.count} times; replacing one call by a "
+                "module with its own variables would give two modules one name. Replace it with "
+                "a function, or insert the new module with `insert_after` and remove the call."
+            )
+
+    def _fresh_name(self, fn_or_module: Any) -> str:
+        base = (
+            type(fn_or_module).__name__
+            if _is_linen(fn_or_module)
+            else getattr(fn_or_module, "__name__", "fn")
+        )
+        base = "fn" if base == "<lambda>" else base
         i = 0
-        while f"{base}_{i}" in self._taken or f"{base}_{i}" in self._inserted:
+        while f"{base}_{i}" in self._base.taken or f"{base}_{i}" in self._tables.inserted:
             i += 1
         return f"{base}_{i}"
 
@@ -327,38 +376,13 @@ class Editor:
             raise InvalidSpecError(
                 f"A node name must be a non-empty string without '@' or ':', got {name!r}."
             )
-        if name in self._taken or name in self._inserted:
+        if name in self._base.taken or name in self._tables.inserted:
             raise InvalidSpecError(
                 f"{name!r} is already taken by a boundary or a variable; pick another `name=`."
             )
 
-    def _swap(self, old: _Node, new: _Node) -> None:
-        self._inserted[old.name] = new
-        for nodes in self._after.values():
-            for i, n in enumerate(nodes):
-                if n is old:
-                    nodes[i] = new
-
-    def _new_node(self, fn_or_module: Any, key: Any, name: str, args: tuple[Any, ...]) -> _Node:
-        if _is_linen(fn_or_module):
-            if key is None:
-                raise InvalidSpecError(
-                    f"The module {type(fn_or_module).__name__} needs `key=` to initialise its variables, "
-                    "e.g. key=jax.random.key(0)."
-                )
-            zeros = jax.tree_util.tree_map(lambda a: jax.numpy.zeros(a.shape, a.dtype), args)
-            module = fn_or_module
-            variables = dict(module.init(key, *zeros))
-            return _Node(name, lambda v, *a: module.apply(v, *a), module, variables)
-        if callable(fn_or_module):
-            f = fn_or_module
-            return _Node(name, lambda v, *a: f(*a), None, None)
-        raise InvalidSpecError(
-            f"Expected a function or a linen module, got {type(fn_or_module).__name__}."
-        )
-
     def _shapes(self) -> dict[tuple[str, str], Any]:
-        """Shapes at every boundary of the edited model as it stands (probed once per edit)."""
+        """Shapes at every boundary of the edited model as it stands (probed once)."""
         if self._known is None:
             self._known = self._probe()
         return self._known
@@ -372,10 +396,50 @@ class Editor:
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), value
             )
 
-        jax.eval_shape(
-            _EditedModel(self, record), self.variables, *self._split.args, **self._split.kwargs
-        )
+        split = self._base.split
+        jax.eval_shape(_EditedModel(self, record), self.variables, *split.args, **split.kwargs)
         return seen
+
+
+# The edited model's boundaries are exactly the calls it marks: linen name stacks would
+# add regions named after classes ("Model/block").
+_EDITED = PlainAdapter(name_scopes=False)
+
+
+def _is_linen(obj: Any) -> bool:
+    from .adapters._linen import LinenAdapter
+
+    return LinenAdapter.accepts(obj)
+
+
+def _new_node(fn_or_module: Any, key: Any, name: str, args: tuple[Any, ...]) -> _Node:
+    if _is_linen(fn_or_module):
+        if key is None:
+            raise InvalidSpecError(
+                f"The module {type(fn_or_module).__name__} needs `key=` to initialise its "
+                "variables, e.g. key=jax.random.key(0)."
+            )
+        zeros = jax.tree_util.tree_map(lambda a: jax.numpy.zeros(a.shape, a.dtype), args)
+        module = fn_or_module
+        variables = dict(module.init(key, *zeros))
+        return _Node(name, lambda v, *a: module.apply(v, *a), module, variables)
+    if callable(fn_or_module):
+        f = fn_or_module
+        return _Node(name, lambda v, *a: f(*a), None, None)
+    raise InvalidSpecError(
+        f"Expected a function or a linen module, got {type(fn_or_module).__name__}."
+    )
+
+
+def _describe(tree: Any) -> str:
+    return str(jax.tree_util.tree_map(lambda x: f"{x.dtype}{list(x.shape)}", tree))
+
+
+def _same_shapes(a: Any, b: Any) -> bool:
+    if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):
+        return False
+    pairs = zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+    return all(x.shape == y.shape and x.dtype == y.dtype for x, y in pairs)
 
 
 class _EditedModel:
@@ -385,106 +449,101 @@ class _EditedModel:
         self.editor = editor
         self.observe = observe
         self.__name__ = "edited"
-        # Linen name stacks would add regions named after classes ("Model/block"): the
-        # edited model's boundaries are exactly the marked calls.
-        self._jaxslice_name_scopes = False
 
     def __call__(self, variables: Any, *inputs: Any, **kwargs: Any) -> Any:
         editor = self.editor
-        entry, leaves = editor._engine._lookup(inputs, kwargs, None, False)
+        program = editor._base.program
+        entry, leaves = program.lookup(inputs, kwargs, None, False)
         # Variables of the original model, except those a new module now owns: replaced
         # modules' equations still read their original values (they are dead code).
-        given = {
-            p: x
-            for p, x in jax.tree_util.tree_flatten_with_path(variables)[0]
-            if editor._owner(p) is None
-        }
-        original = dict(jax.tree_util.tree_flatten_with_path(editor._split.variables)[0])
-        merged = {**original, **given}
+        flat = jax.tree_util.tree_flatten_with_path
+        given = {p: x for p, x in flat(variables)[0] if editor._owner(p) is None}
+        merged = {**dict(flat(editor._variables)[0]), **given}
         values = [merged[p] for p in entry.traced.graph.variable_paths]
-        interp = _EditInterpreter(editor, variables, self.observe)
-        return _run(entry.traced.graph, interp, values, [], leaves)[0]
+        hooks = _EditHooks(editor, variables, self.observe)
+        return evaluate_graph(entry.traced.graph, hooks, values, [], leaves)
 
 
-class _EditInterpreter(Interpreter):
-    def __init__(
-        self, editor: Editor, variables: Any, observe: Callable[[str, str, Any], None] | None
-    ):
-        self.editor = editor
+class _EditHooks:
+    """Applies an editor's edits at the boundaries of the original model's program."""
+
+    recurse = False
+
+    def __init__(self, editor: Editor, variables: Any, observe: Any):
+        self.tables = editor._tables
+        self.adapter = editor._base.program.adapter
         self.variables = variables
-        self.observe = observe
+        self.observe = observe or (lambda name, side, value: None)
         self.inputs: dict[str, Any] = {}
         self.records: dict[int, Any] = {}
+
+    def equation(self, eqn: Equation, inputs: list[Any], outputs: list[Any]) -> list[Any]:
+        return outputs
+
+    def on_boundary(self, event: BoundaryEvent) -> Any:
+        name, value = event.name, event.value
+        if event.side == INPUT:
+            value = self._after(name, INPUT, value)
+            self.inputs[name] = value
+            self._remark(event, value)
+            self.observe(name, INPUT, value)
+            return value
+        value = self._output(name, value)
+        self._remark(event, value)
+        self.observe(name, OUTPUT, value)
+        return self._after(name, OUTPUT, value)
+
+    def _output(self, name: str, value: Any) -> Any:
+        if name in self.tables.removed:
+            return self.inputs[name]
+        node = self.tables.replaced.get(name)
+        if node is None:
+            return value
+        args = self.inputs[name]
+        return node.fn(self._node_variables(node), *(args if isinstance(args, tuple) else (args,)))
 
     def _node_variables(self, node: _Node) -> Any:
         if node.variables is None:
             return None
-        if self.editor._linen:
-            return {c: self.variables[c][node.name] for c in node.variables}
-        return self.variables[node.name]
-
-    def _see(self, name: str, side: str, value: Any) -> None:
-        if self.observe is not None:
-            self.observe(name, side, value)
+        return self.adapter.node_variables(self.variables, node.name, node.variables)
 
     def _call_node(self, node: _Node, value: Any) -> Any:
-        args = (value,)  # an inserted node receives the output it follows, whatever its structure
-        node_vars = self._node_variables(node)
-        self._see(node.name, INPUT, value)
-        out = _markers.call_marked(
-            lambda *a: node.fn(node_vars, *a),
-            args,
-            {},
-            kind="edit",
+        record = new_record(
+            origin=Origin.NODE,
             path=tuple(node.name.split("/")),
             method="__call__",
-            module_type=type(node.module).__name__
-            if node.module is not None
-            else getattr(node.fn, "__name__", "function"),
+            module_type=node.module_type,
         )
-        self._see(node.name, OUTPUT, out)
-        return self._after(node.name, out)
+        self.observe(node.name, INPUT, value)
+        if is_marking():
+            mark_side(record, INPUT, ((value,), {}))
+        out = node.fn(self._node_variables(node), value)
+        if is_marking():
+            mark_side(record, OUTPUT, out)
+        self.observe(node.name, OUTPUT, out)
+        return self._after(node.name, OUTPUT, out)
 
-    def _after(self, name: str, value: Any) -> Any:
-        for node in list(self.editor._after.get(name, ())):
+    def _after(self, name: str, port: str, value: Any) -> Any:
+        for node in list(self.tables.after.get((name, port), ())):
             value = self._call_node(node, value)
         return value
 
-    def _remark(self, side: str, value: Any) -> None:
+    def _remark(self, event: BoundaryEvent, value: Any) -> None:
         """Marks the original call again in the edited model's trace, under its name."""
-        if not _markers.is_marking():
+        if not is_marking():
             return
-        call = self._current_call
-        if side == INPUT:
-            self.records[id(call)] = _markers.new_record(
-                kind="edit",
+        call = event.call
+        if event.side == INPUT:
+            self.records[id(call)] = new_record(
+                origin=Origin.NODE,
                 path=tuple(call.name.split("/")),
                 method="__call__",
                 module_type=call.module_type,
             )
-            _markers.mark_side(
-                self.records[id(call)], INPUT, (value if isinstance(value, tuple) else (value,), {})
-            )
+            args = value if isinstance(value, tuple) else (value,)
+            mark_side(self.records[id(call)], INPUT, (args, {}))
         else:
-            _markers.mark_side(self.records[id(call)], OUTPUT, value)
-
-    def boundary(self, name: str, side: str, value: Any) -> Any:
-        if side == INPUT:
-            self.inputs[name] = value
-            self._remark(INPUT, value)
-            self._see(name, INPUT, value)
-            return value
-        if name in self.editor._removed:
-            value = self.inputs[name]
-        elif name in self.editor._replaced:
-            node = self.editor._replaced[name]
-            args = self.inputs[name]
-            value = node.fn(
-                self._node_variables(node), *(args if isinstance(args, tuple) else (args,))
-            )
-        self._remark(OUTPUT, value)
-        self._see(name, OUTPUT, value)
-        return self._after(name, value)
+            mark_side(self.records[id(call)], OUTPUT, value)
 
 
 def edit(target: Any, *args: Any, **kwargs: Any) -> Editor:
@@ -496,7 +555,7 @@ def edit(target: Any, *args: Any, **kwargs: Any) -> Editor:
     Returns:
       An `Editor` with ``insert_after(at, fn_or_module, *, key=None, name=None)``,
       ``replace(at, fn_or_module, *, key=None)`` and ``remove(at)`` (each returns the
-      editor), ``build()`` and ``slice(start=..., end=...)`` (each a `js.Sliced`),
+      editor, so edits chain; a failed edit changes nothing), ``copy()``, ``build()`` and ``slice(start=..., end=...)`` (each a `js.Sliced`),
       ``variables`` and ``boundaries()``. The original model and variables never change.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxslice as js

@@ -82,8 +82,13 @@ class MissingInputError(SliceError):
 
     TEMPLATE = (
         "The slice from {start} to {end} needs {what}, which is computed before the "
-        "start of the slice and is not one of its inputs.\n"
-        "Add it to `start`, for example: start={fix!r}"
+        "start of the slice and is not one of its inputs.\n{fix}"
+    )
+    FIX = "Add it to `start`, for example: start={starts!r}"
+    NO_FIX = (
+        "No boundary marks that value where a slice could start from it. Start at an "
+        "earlier boundary that everything the slice needs derives from (or at None, the "
+        "model's inputs), or mark the value with `js.mark`."
     )
 
 
@@ -120,7 +125,7 @@ class ModelTraceError(SliceError):
     ``rngs={"dropout": key}``. The model's own error is chained as ``__cause__``.
     """
 
-    TEMPLATE = "Tracing the model{mode} failed: {error}{hint}"
+    TEMPLATE = "Tracing the model{mode} failed{where}: {error}{hint}"
     RNG_HINT = (
         "\nThe model draws random numbers in this mode: pass the keys it needs, e.g. "
         "`sub.apply(sub.variables, x, train=True, rngs={'dropout': key})` (or `rngs=` to "

@@ -1,33 +1,60 @@
 """`js.intermediates`: values at chosen boundaries from one compiled call.
 
 It is a slice from the model's inputs to a dict of ends, so only what the requested values
-need is computed (nothing past the last one), and its compiled programs are kept per
-model, names and mode in a small cache, re-traced per input shape like `jax.jit`.
+need is computed (nothing past the last one). Programs are kept in the shared bounded
+cache, keyed by everything that changes them: the model (its structure for NNX), the
+names, the shapes and dtypes of variables and inputs, the mode, `mutable` and the
+structure of `rngs`.
 """
 
 from __future__ import annotations
 
-import collections
-import weakref
 from typing import Any
 
-from . import _compat, _trace
+from . import _compat
+from ._caches import LRU
+from ._core.program import SliceProgram
+from ._core.trace import trace
 from ._errors import InvalidSpecError
-from ._sliced import Sliced
+from ._trees import hashable, nest, tree_key
+from .adapters import adapter_for
 
-_CACHE: collections.OrderedDict[Any, tuple[Any, Any]] = collections.OrderedDict()
-# Entries keep compiled programs and abstract shapes, not the model's variables (linen and
-# plain functions); an NNX entry holds its model, so the cache stays small.
-_CACHE_SIZE = 8
+_PROGRAMS = LRU(maxsize=16)
 
 
-def _cache_key(target: Any, names: Any, kwargs: dict[str, Any]) -> Any:
+def _names(names: Any) -> tuple[str, ...] | None:
+    if names is None:
+        return None
+    if isinstance(names, str):
+        raise InvalidSpecError(f"`names` must be a list of boundary names or None, got {names!r}.")
+    names = tuple(names)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise InvalidSpecError(
+            f"`names` must be a non-empty list of boundary names (strings), or None for "
+            f"every boundary; got {list(names)!r}."
+        )
+    return names
+
+
+def _key(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: Any) -> Any:
+    adapter = adapter_for(target)
+    structure = adapter.structure_key(target)
+    live = adapter.live_variables(target)
+    variables = tree_key(live if live is not None else args[:1])
+    inputs = args if live is not None else args[1:]
+    key = (
+        type(adapter),
+        id(target) if structure is None else structure,
+        hashable(target) if structure is None else None,
+        names,
+        variables,
+        tree_key((inputs, kwargs)),
+    )
     try:
-        mode = tuple(sorted((k, v) for k, v in kwargs.items() if k != "rngs"))
-        hash(mode)
+        hash(key)
     except TypeError:
         return None
-    return id(target), tuple(names) if names is not None else None, mode, "rngs" in kwargs
+    return key
 
 
 def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> dict[str, Any]:
@@ -40,7 +67,11 @@ def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> 
         every module call outside loops.
 
     Returns:
-      ``{name: value}`` in the order of `names` (or of the calls).
+      ``{name: value}`` in the order of `names` (or of the calls). For a linen model
+      called with ``mutable=[...]`` (train mode with batch statistics, say),
+      ``({name: value}, updated_state)`` as linen's ``apply`` returns; without it, a
+      call that updates state raises, as in linen. An NNX model's state is updated in
+      place, as calling the model does.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxslice as js
     >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)])
@@ -49,40 +80,25 @@ def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> 
     >>> feats["layers_0"].shape
     (5, 8)
     """
-    if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)):
-        raise InvalidSpecError(f"`names` must be a list of boundary names or None, got {names!r}.")
-    key = _cache_key(target, names, kwargs)
-    hit = _CACHE.get(key) if key is not None else None
-    if hit is not None and hit[0]() is target:
-        engine = hit[1]
-        _CACHE.move_to_end(key)
-    else:
-        traced = _trace.trace(
-            target, args, kwargs, stop_at=list(names) if names is not None else None
-        )
-        if names is None:
-            names = [c.qualname for c in traced.graph.calls if c.loop is None]
-        engine = Sliced(traced, None, {n: n for n in names})
-        if traced.adapter.kind != "nnx":
-            engine._forget_values()
-        if traced.adapter.kind == "nnx":
-            from ._nnx_module import SlicedModule
-
-            engine = SlicedModule(target, engine)
+    names = _names(names)
+    key = _key(target, args, kwargs, names)
+    program = _PROGRAMS.get(key) if key is not None else None
+    if program is None or program.target is not target:
+        program = _program(target, args, kwargs, names)
         if key is not None:
-            try:
-                ref = weakref.ref(target)
-            except TypeError:
-                ref = None
-            if ref is not None:
-                _CACHE[key] = (ref, engine)
-                while len(_CACHE) > _CACHE_SIZE:
-                    _CACHE.popitem(last=False)
-    if isinstance(engine, Sliced):
-        split = engine._base.traced.adapter.split(target, args, kwargs)
-        return engine._apply_full(split.variables, split.args, split.kwargs, split.rngs)
-    call_kwargs = {k: v for k, v in kwargs.items()}
-    return engine(*args, **call_kwargs)
+            _PROGRAMS.put(key, program)
+    split = program.adapter.split(target, args, kwargs)
+    values, state = program.apply_full(split)
+    if not split.mutable or program.adapter.live_variables(target) is not None:
+        return values
+    return values, nest([p for p, _ in state], [v for _, v in state])
+
+
+def _program(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: Any) -> Any:
+    traced = trace(target, args, kwargs, list(names) if names is not None else None)
+    if names is None:
+        names = [c.qualname for c in traced.graph.calls if c.loop is None]
+    return SliceProgram(traced, None, {n: n for n in names})
 
 
 _compat.register_frames_exclusion(__file__)

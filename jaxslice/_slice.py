@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _compat, _trace
+from . import _compat
+from ._core.program import SliceProgram
 from ._sliced import Sliced
 
 
@@ -45,13 +46,14 @@ def slice(target: Any, *args: Any, start: Any = None, end: Any = None, **kwargs:
     >>> sorted(head.variables["params"])
     ['layers_2']
     """
-    traced = _trace.trace(target, args, kwargs, stop_at=_trace.stop_specs(start, end))
-    engine = Sliced(traced, start, end)
-    if traced.adapter.kind == "nnx":
-        from ._nnx_module import SlicedModule
+    program = SliceProgram.build(target, args, kwargs, start, end)
+    return view(program)
 
-        return SlicedModule(target, engine)
-    return engine
+
+def view(program: SliceProgram) -> Any:
+    """What users get for a program: the adapter's own kind of slice, or a `Sliced`."""
+    custom = program.adapter.slice_view(program.target, program)
+    return Sliced(program) if custom is None else custom
 
 
 class Sliceable:

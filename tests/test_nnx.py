@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import jaxslice as js
-from jaxslice._nnx_module import SlicedModule
+from jaxslice import SlicedModule
 
 ATOL = 1e-5
 RTOL = 1e-5

@@ -1,7 +1,7 @@
-"""One adapter per model kind: how a target is split into (variables, inputs, mode), how
-it is called while tracing, and how its module calls are marked.
+"""One adapter per model kind; see `_base.Adapter` for the questions each answers.
 
-Adapters import their model library lazily, so jaxslice imports without Flax installed.
+Adapters import their model library only when a target of that kind is passed, so
+``import jaxslice`` imports no model library beyond what jaxslice itself needs.
 """
 
 from __future__ import annotations
@@ -9,24 +9,24 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import UnsupportedTargetError
-from ._base import Adapter
+from ._base import Adapter, Split
+from ._linen import LinenAdapter
+from ._nnx import NNXAdapter
+from ._plain import PlainAdapter
+
+# Tried in order: each kind's `accepts` looks at the target without importing libraries
+# the user has not imported.
+_KINDS = (LinenAdapter, NNXAdapter)
 
 
 def adapter_for(target: Any) -> Adapter:
     """The adapter that knows how to trace `target`."""
-    from . import _linen, _plain
-
-    if _linen.is_linen(target):
-        return _linen.LinenAdapter()
-    from . import _nnx
-
-    if _nnx.is_nnx(target):
-        return _nnx.NNXAdapter()
+    for kind in _KINDS:
+        if kind.accepts(target):
+            return kind()
     if callable(target):
-        adapter = _plain.PlainAdapter()
-        adapter.name_scopes = getattr(target, "_jaxslice_name_scopes", True)
-        return adapter
+        return PlainAdapter()
     raise UnsupportedTargetError(UnsupportedTargetError.TEMPLATE.format(kind=type(target).__name__))
 
 
-__all__ = ["Adapter", "adapter_for"]
+__all__ = ["Adapter", "Split", "adapter_for"]

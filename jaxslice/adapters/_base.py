@@ -1,12 +1,22 @@
-"""The contract every model-kind adapter fulfils."""
+"""The contract every model-kind adapter fulfils.
+
+An adapter answers every question whose answer depends on the kind of model: how a
+target is split into (variables, rngs, inputs, mode), how it is called while traced, how
+its variables are read and written, who owns a state entry, whether a trace may stop
+early, and what a slice of it is returned as. Nothing outside `adapters/` asks which
+kind a target is.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+
+from .._trees import is_traced_leaf, path_names
 
 
 @dataclasses.dataclass
@@ -22,11 +32,14 @@ class Split:
 
 
 class Adapter:
-    """How one kind of model is split, called and marked."""
+    """How one kind of model is split, called and marked (defaults: a plain function)."""
 
-    kind: str = ""
     #: whether `jax.named_scope` regions count as boundaries
     name_scopes: bool = False
+    #: whether the returned state lists unchanged variables too (so those are no updates)
+    state_includes_variables: bool = False
+    #: whether calls take linen's `rngs=` and `mutable=`
+    has_collections: bool = False
 
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         raise NotImplementedError
@@ -69,8 +82,40 @@ class Adapter:
         """A hashable key of what, besides arguments, decides the traced program."""
         return None
 
-    #: where a state entry's module path starts in its path (after the collection name)
-    state_owner_offset: int = 1
+    def can_stop_early(self, split: Split) -> bool:
+        """Whether a trace may end once a slice's ends have returned."""
+        return False
+
+    def wider_mutable(self, split: Split, error: BaseException | None) -> Any:
+        """Collections to trace as mutable after `error`, or None to report the error."""
+        return None
+
+    def error_hint(self, error: BaseException) -> str:
+        """Advice to add to a `ModelTraceError` caused by `error`."""
+        return ""
+
+    def state_owner(self, path: tuple[Any, ...]) -> tuple[str, ...]:
+        """The module path a state entry belongs to (it starts the entry's path)."""
+        return path_names(path)
+
+    def live_variables(self, target: Any) -> dict[tuple[Any, ...], Any] | None:
+        """``{path: value}`` read from a model that holds its variables, else None."""
+        return None
+
+    def flat_values(self, variables: Any) -> dict[tuple[Any, ...], Any]:
+        """``{path: leaf}`` of variables given in this kind's form (as `split` makes them)."""
+        return dict(jax.tree_util.tree_flatten_with_path(variables)[0])
+
+    def write_back(self, target: Any, state: list[tuple[Any, Any]]) -> None:
+        """Stores updated ``(path, value)`` state in a model that holds its variables."""
+
+    def slice_view(self, target: Any, program: Any) -> Any:
+        """What `js.slice` returns for this kind, or None for a `js.Sliced`."""
+        return None
+
+    def edit_refusal(self) -> str | None:
+        """Why `js.edit` cannot edit this kind of model, or None when it can."""
+        return None
 
     def parameter_counts(self, variables: Any) -> dict[str, int]:
         """Parameter count per module path (`/`-joined), including submodules."""
@@ -80,37 +125,45 @@ class Adapter:
         """Paths of modules that hold parameters themselves, or None if unknown."""
         return None
 
+    # -- where an edit's new nodes keep their variables (default: ``variables[name]``)
+
+    def node_of(self, path: tuple[Any, ...]) -> str | None:
+        """The node name a variable path belongs to, if it is under one."""
+        names = path_names(path)
+        return names[0] if names else None
+
+    def with_node(self, variables: dict[Any, Any], name: str, node_variables: Any) -> None:
+        """Adds a new node's variables to `variables` (in place)."""
+        variables[name] = node_variables
+
+    def node_variables(self, variables: Any, name: str, node_variables: Any) -> Any:
+        """A node's variables, read back from the edited model's `variables`."""
+        return variables[name]
+
+    def variable_names(self, variables: Any) -> set[str]:
+        """Names new nodes must not take (they would collide with a variable)."""
+        return {str(k) for k in variables} if isinstance(variables, Mapping) else set()
+
 
 def keywords_of(fn: Any) -> set[str] | None:
     """The keyword parameter names of `fn`, or None when it takes ``**kwargs``."""
-    import inspect
-
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return None
-    names = set()
-    for p in sig.parameters.values():
-        if p.kind is inspect.Parameter.VAR_KEYWORD:
-            return None
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
-            names.add(p.name)
-    return names
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = sig.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in kinds}
 
 
 def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Separates keyword inputs holding arrays from mode keywords (flags, strings)."""
-    from .._markers import is_array
-
     inputs, mode = {}, {}
     for k, v in kwargs.items():
-        if any(
-            is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
-            for leaf in jax.tree_util.tree_leaves(v)
-        ):
-            inputs[k] = v
-        else:
-            mode[k] = v
+        holds_arrays = any(is_traced_leaf(x) for x in jax.tree_util.tree_leaves(v))
+        (inputs if holds_arrays else mode)[k] = v
     return inputs, mode
 
 
@@ -122,3 +175,9 @@ def count_by_prefix(flat: dict[tuple[str, ...], int]) -> dict[str, int]:
             key = "/".join(path[:k])
             counts[key] = counts.get(key, 0) + size
     return counts
+
+
+def leaf_sizes(variables: Any) -> dict[tuple[str, ...], int]:
+    """``{path names: size}`` of every leaf of a pytree of variables."""
+    flat = jax.tree_util.tree_flatten_with_path(variables)[0]
+    return {path_names(p): int(getattr(x, "size", 1)) for p, x in flat}

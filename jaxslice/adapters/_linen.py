@@ -4,26 +4,38 @@ Every submodule method call is marked through `flax.linen.intercept_methods`, th
 hook linen offers for exactly this. The interceptor passes the call's own arguments
 through untouched. Calls of the top-level module itself are the model's inputs and
 outputs, not boundaries; `setup` is not a call that computes anything.
+
+The model is traced with exactly the `mutable` asked for, since a model may branch on
+``self.is_mutable_collection(...)``. Only when the model then updates a collection that
+was not asked for (a module outside the slice updating batch statistics, say) is it
+traced again with every collection it holds, except ``params``, mutable; the planner
+then returns only what was asked for and rejects unasked updates inside the slice, as
+linen's ``apply`` would.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping
 from typing import Any
 
-import jax
-
-from .. import _markers
-from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
+from .._core.markers import Origin, call_marked, new_record
+from .._errors import UnsupportedTargetError
+from .._trees import key_name, path_names
+from ._base import Adapter, Split, count_by_prefix, keywords_of, leaf_sizes, split_kwargs
 
 _SKIPPED_METHODS = frozenset({"setup"})
 
-
-def is_linen(target: Any) -> bool:
-    try:
-        import flax.linen as nn
-    except ImportError:  # pragma: no cover - flax is a dependency, but stay importable
-        return False
-    return isinstance(target, nn.Module)
+NO_VARIABLES = (
+    "A linen module is sliced with its variables and sample inputs: "
+    "js.slice(model, variables, x, end=...). No variables were given; create them "
+    "with `variables = model.init(jax.random.key(0), x)`."
+)
+RNG_HINT = (
+    "\nThe model draws random numbers in this mode: pass the keys it needs, e.g. "
+    "`sub.apply(sub.variables, x, train=True, rngs={'dropout': key})` (or `rngs=` to "
+    "js.slice)."
+)
 
 
 def _interceptor(next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
@@ -32,41 +44,35 @@ def _interceptor(next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, Any], c
     path = tuple(scope.path) if scope is not None else ()
     if not path or context.method_name in _SKIPPED_METHODS:
         return next_fun(*args, **kwargs)
-    return _markers.call_marked(
-        next_fun,
-        args,
-        kwargs,
-        kind="linen",
+    record = new_record(
+        origin=Origin.MODULE,
         path=tuple(str(p) for p in path),
         method=context.method_name,
         module_type=type(module).__name__,
     )
+    return call_marked(next_fun, args, kwargs, record)
+
+
+def _params(variables: Any) -> Any:
+    return variables.get("params", {}) if isinstance(variables, Mapping) else {}
 
 
 class LinenAdapter(Adapter):
-    kind = "linen"
+    has_collections = True
+
+    @staticmethod
+    def accepts(target: Any) -> bool:
+        linen = sys.modules.get("flax.linen")
+        return linen is not None and isinstance(target, linen.Module)
 
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         if not args:
-            from .._errors import UnsupportedTargetError
-
-            raise UnsupportedTargetError(
-                "A linen module is sliced with its variables and sample inputs: "
-                "js.slice(model, variables, x, end=...). No variables were given; create them "
-                "with `variables = model.init(jax.random.key(0), x)`."
-            )
+            raise UnsupportedTargetError(NO_VARIABLES)
         kwargs = dict(kwargs)
         rngs = kwargs.pop("rngs", None)
         mutable = kwargs.pop("mutable", False)
         inputs, mode = split_kwargs(kwargs)
-        return Split(
-            variables=args[0],
-            rngs=rngs,
-            args=tuple(args[1:]),
-            kwargs=inputs,
-            mode=mode,
-            mutable=mutable,
-        )
+        return Split(args[0], rngs, tuple(args[1:]), inputs, mode, mutable)
 
     def call(
         self,
@@ -80,11 +86,33 @@ class LinenAdapter(Adapter):
         import flax.linen as nn
 
         extra = {} if rngs is None else {"rngs": rngs}
-        # Every collection is traced as mutable, whatever the caller asked: modules outside
-        # a slice may update state in this mode, and only the slice's own updates matter
-        # (the plan returns those asked for, and rejects unasked ones as linen would).
         with nn.intercept_methods(_interceptor):
-            return target.apply(variables, *args, **extra, mutable=True, **kwargs)
+            result = target.apply(variables, *args, **extra, mutable=mutable, **kwargs)
+        return result if mutable else (result, None)
+
+    def can_stop_early(self, split: Split) -> bool:
+        return not split.mutable  # updated state is returned only at the end
+
+    def wider_mutable(self, split: Split, error: BaseException | None) -> Any:
+        import flax.errors
+
+        if not isinstance(error, flax.errors.ModifyScopeVariableError):
+            return None
+        asked = split.mutable
+        if asked is True:
+            return None
+        asked = [asked] if isinstance(asked, str) else list(asked or [])
+        held = [str(c) for c in split.variables if c != "params"]
+        wider = sorted(set(asked) | set(held))
+        return None if wider == sorted(asked) else wider
+
+    def error_hint(self, error: BaseException) -> str:
+        import flax.errors
+
+        return RNG_HINT if isinstance(error, flax.errors.InvalidRngError) else ""
+
+    def state_owner(self, path: tuple[Any, ...]) -> tuple[str, ...]:
+        return path_names(path)[1:]  # after the collection name
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
         method = getattr(type(target), "__call__", None)  # noqa: B004 - the function, not a test
@@ -92,16 +120,22 @@ class LinenAdapter(Adapter):
         return None if names is None else (names - {"self"}) | {"method", "capture_intermediates"}
 
     def own_parameter_modules(self, variables: Any) -> set[tuple[str, ...]] | None:
-        params = variables.get("params", {}) if hasattr(variables, "get") else {}
-        return {
-            tuple(str(getattr(k, "key", k)) for k in path[:-1])
-            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
-        }
+        return {path[:-1] for path in leaf_sizes(_params(variables))}
 
     def parameter_counts(self, variables: Any) -> dict[str, int]:
-        params = variables.get("params", {}) if hasattr(variables, "get") else {}
-        flat = {}
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-            keys = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-            flat[keys] = int(getattr(leaf, "size", 1))
-        return count_by_prefix(flat)
+        return count_by_prefix(leaf_sizes(_params(variables)))
+
+    def node_of(self, path: tuple[Any, ...]) -> str | None:
+        names = path_names(path)
+        return names[1] if len(names) > 1 else None
+
+    def with_node(self, variables: dict[Any, Any], name: str, node_variables: Any) -> None:
+        for collection, values in node_variables.items():
+            variables.setdefault(collection, {})[name] = values
+
+    def node_variables(self, variables: Any, name: str, node_variables: Any) -> Any:
+        return {c: variables[c][name] for c in node_variables}
+
+    def variable_names(self, variables: Any) -> set[str]:
+        params = _params(variables)
+        return {str(key_name(k)) for k in params} if isinstance(params, Mapping) else set()

@@ -5,11 +5,12 @@ the traced program merges them back into a fresh copy and calls it, and returns 
 copy's variables afterwards as updated state (batch statistics, RNG counters).
 
 Submodule calls are marked by wrapping ``__call__`` on the classes of the copy's
-submodules for the duration of the call only; the wrapper marks a call when its ``self``
-is one of the copy's submodules (known by identity, with its attribute path) and passes
-everything else through. The classes are restored in a ``finally``, also when tracing
-fails. Names are attribute paths joined by ``/`` (``blocks/0/linear``); only ``__call__``
-is marked.
+submodules while any trace needs them: the wrapper marks a call only when its ``self`` is
+one of the submodules of the model traced *in the current context* (a context variable
+holds their paths, so other threads and other models pass straight through). Patching
+is reference-counted under a lock, so concurrent traces share the wrappers and the
+classes are restored when the last one ends, also when tracing fails. Names are
+attribute paths joined by ``/`` (``blocks/0/linear``); only ``__call__`` is marked.
 
 Sharp edge: a model that changes its Python attributes while it runs (a counter kept in
 a plain attribute, say) cannot be replayed by a slice, so tracing checks that the graph
@@ -21,12 +22,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import _markers
+from .._core.markers import Origin, StopTracing, call_marked, new_record
 from .._errors import AttributeMutationError
+from .._trees import is_array
 from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
+from ._nnx_state import flat_state, get_value, set_value, state_from_flat
 
 _PATHS: contextvars.ContextVar[dict[int, tuple[str, ...]] | None] = contextvars.ContextVar(
     "jaxslice_nnx_paths", default=None
@@ -34,42 +39,6 @@ _PATHS: contextvars.ContextVar[dict[int, tuple[str, ...]] | None] = contextvars.
 _IN_CALL: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
     "jaxslice_nnx_in_call", default=frozenset()
 )
-
-
-def is_nnx(target: Any) -> bool:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(target, nnx.Module)
-
-
-def flat_state(state: Any) -> list[tuple[tuple[Any, ...], Any]]:
-    """``[(path, variable)]`` of an `nnx.State` (`nnx.to_flat_state` since flax 0.11)."""
-    from flax import nnx
-
-    if hasattr(nnx, "to_flat_state"):
-        return [(tuple(p), v) for p, v in nnx.to_flat_state(state)]
-    return [(tuple(p), v) for p, v in state.flat_state()]  # pragma: no cover - older flax
-
-
-def state_from_flat(pairs: list[tuple[tuple[Any, ...], Any]]) -> Any:
-    from flax import nnx
-
-    if hasattr(nnx, "from_flat_state"):
-        return nnx.from_flat_state(pairs)
-    return nnx.State.from_flat_path(pairs)  # pragma: no cover - older flax
-
-
-def get_value(variable: Any) -> Any:
-    return variable.get_value() if hasattr(variable, "get_value") else variable.value
-
-
-def set_value(variable: Any, value: Any) -> None:
-    if hasattr(variable, "set_value"):
-        variable.set_value(value)
-    else:  # pragma: no cover - older flax
-        variable.value = value
 
 
 def module_paths(model: Any) -> dict[int, tuple[str, ...]]:
@@ -93,57 +62,102 @@ def _wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         token = _IN_CALL.set(busy | {id(self)})
         try:
-            return _markers.call_marked(
-                functools.partial(original, self),
-                args,
-                kwargs,
-                kind="nnx",
-                path=path,
-                method="__call__",
-                module_type=type(self).__name__,
+            record = new_record(
+                origin=Origin.MODULE, path=path, method="__call__", module_type=type(self).__name__
             )
+            return call_marked(functools.partial(original, self), args, kwargs, record)
         finally:
             _IN_CALL.reset(token)
 
-    __call__.__jaxslice_wrapped__ = True  # type: ignore[attr-defined]
     return __call__
+
+
+# Classes whose __call__ is wrapped: {class: [original in its __dict__ or None, users]}.
+_PATCHED: dict[type, list[Any]] = {}
+_PATCH_LOCK = threading.Lock()
+
+
+def _acquire(cls: type) -> None:
+    entry = _PATCHED.get(cls)
+    if entry is None:
+        original = cls.__dict__.get("__call__")
+        entry = _PATCHED[cls] = [original, 0]
+        cls.__call__ = _wrapper(original if original is not None else cls.__call__)
+    entry[1] += 1
+
+
+def _release(cls: type) -> None:
+    entry = _PATCHED[cls]
+    entry[1] -= 1
+    if entry[1] == 0:
+        del _PATCHED[cls]
+        if entry[0] is None:
+            del cls.__call__
+        else:
+            cls.__call__ = entry[0]
 
 
 @contextlib.contextmanager
 def marked_calls(model: Any) -> Iterator[None]:
-    """Marks the calls of `model`'s submodules inside the block, then restores classes."""
+    """Marks the calls of `model`'s submodules inside the block (this context only)."""
     from flax import nnx
 
     paths = module_paths(model)
     classes = {type(node) for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
-    patched: list[tuple[type, Any]] = []
+    classes = {cls for cls in classes if callable(getattr(cls, "__call__", None))}  # noqa: B004
+    with _PATCH_LOCK:
+        for cls in classes:
+            _acquire(cls)
     token = _PATHS.set(paths)
     try:
-        for cls in classes:
-            current = cls.__dict__.get("__call__")
-            if current is None or getattr(current, "__jaxslice_wrapped__", False):
-                if current is None and callable(getattr(cls, "__call__", None)):  # noqa: B004
-                    inherited = cls.__call__
-                    if getattr(inherited, "__jaxslice_wrapped__", False):
-                        continue  # a patched base class already marks it
-                    patched.append((cls, None))
-                    cls.__call__ = _wrapper(inherited)
-                continue
-            patched.append((cls, current))
-            cls.__call__ = _wrapper(current)
         yield
     finally:
-        for cls, original in reversed(patched):
-            if original is None:
-                del cls.__call__
-            else:
-                cls.__call__ = original
         _PATHS.reset(token)
+        with _PATCH_LOCK:
+            for cls in classes:
+                _release(cls)
+
+
+EDIT_REFUSAL = (
+    "js.edit does not support Flax NNX models: edit an NNX model by assigning new "
+    "submodules to it (e.g. `model.head = nnx.Sequential(model.head, adapter)`), "
+    "then slice it with js.slice."
+)
 
 
 class NNXAdapter(Adapter):
-    kind = "nnx"
-    state_owner_offset = 0
+    state_includes_variables = True
+
+    @staticmethod
+    def accepts(target: Any) -> bool:
+        nnx = sys.modules.get("flax.nnx")
+        return nnx is not None and isinstance(target, nnx.Module)
+
+    def can_stop_early(self, split: Split) -> bool:
+        return True
+
+    def live_variables(self, target: Any) -> dict[tuple[Any, ...], Any]:
+        from flax import nnx
+
+        return {path: get_value(v) for path, v in flat_state(nnx.state(target))}
+
+    def flat_values(self, variables: Any) -> dict[tuple[Any, ...], Any]:
+        return {p: get_value(v) for p, v in flat_state(variables)}
+
+    def write_back(self, target: Any, state: list[tuple[Any, Any]]) -> None:
+        from flax import nnx
+
+        variables = dict(flat_state(nnx.state(target)))
+        for path, value in state:
+            set_value(variables[path], value)
+
+    def slice_view(self, target: Any, program: Any) -> Any:
+        from ._nnx_module import SlicedModule
+
+        return SlicedModule(target, program)
+
+    def edit_refusal(self) -> str | None:
+        return EDIT_REFUSAL
 
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         from flax import nnx
@@ -199,7 +213,7 @@ class NNXAdapter(Adapter):
         try:
             with marked_calls(model):
                 out = model(*args, **kwargs)
-        except _markers.StopTracing as stop:
+        except StopTracing as stop:
             # Ending early: the state so far is what the slice may have updated.
             stop.state = [(path, get_value(v)) for path, v in flat_state(nnx.split(model)[1])]
             raise
@@ -247,7 +261,7 @@ def _static_attributes(model: Any) -> dict[str, str]:
             if (
                 name.startswith("_")
                 or isinstance(value, (nnx.Module, nnx.Variable))
-                or _markers.is_array(value)
+                or is_array(value)
             ):
                 continue
             if isinstance(value, (bool, int, float, str, tuple, type(None))):

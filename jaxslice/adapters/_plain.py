@@ -13,8 +13,9 @@ from typing import Any, TypeVar, overload
 
 import jax
 
-from .. import _markers
-from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
+from .._core.markers import Origin, call_marked, new_record
+from .._errors import InvalidSpecError, UnsupportedTargetError
+from ._base import Adapter, Split, count_by_prefix, keywords_of, leaf_sizes, split_kwargs
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,40 +49,38 @@ def mark(name: str, fn: Callable[..., Any] | None = None) -> Any:
     ['double']
     """
     if not isinstance(name, str) or not name:
-        from .._errors import InvalidSpecError
-
         raise InvalidSpecError(f"js.mark needs a non-empty string name, got {name!r}.")
     if fn is None:
         return functools.partial(mark, name)
 
+    kind = getattr(fn, "__name__", type(fn).__name__)
+
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         with jax.named_scope(name):
-            return _markers.call_marked(
-                fn,
-                args,
-                kwargs,
-                kind="mark",
-                path=(name,),
-                method="__call__",
-                module_type=getattr(fn, "__name__", type(fn).__name__),
+            record = new_record(
+                origin=Origin.MARK, path=(name,), method="__call__", module_type=kind
             )
+            return call_marked(fn, args, kwargs, record)
 
     return wrapped
 
 
+NO_VARIABLES = (
+    "A plain function is sliced as js.slice(fn, params, *inputs, end=...): its first "
+    "argument holds the parameters. Pass `None` if it has none."
+)
+
+
 class PlainAdapter(Adapter):
-    kind = "plain"
-    name_scopes = True
+    """A function ``fn(variables, *inputs)``; `name_scopes` also lists `jax.named_scope`s."""
+
+    def __init__(self, name_scopes: bool = True):
+        self.name_scopes = name_scopes
 
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         if not args:
-            from .._errors import UnsupportedTargetError
-
-            raise UnsupportedTargetError(
-                "A plain function is sliced as js.slice(fn, params, *inputs, end=...): its first "
-                "argument holds the parameters. Pass `None` if it has none."
-            )
+            raise UnsupportedTargetError(NO_VARIABLES)
         inputs, mode = split_kwargs(kwargs)
         return Split(variables=args[0], rngs=None, args=tuple(args[1:]), kwargs=inputs, mode=mode)
 
@@ -100,10 +99,4 @@ class PlainAdapter(Adapter):
         return keywords_of(target)
 
     def parameter_counts(self, variables: Any) -> dict[str, int]:
-        flat = {}
-        for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]:
-            keys = tuple(
-                str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path
-            )
-            flat[keys] = int(getattr(leaf, "size", 1))
-        return count_by_prefix(flat)
+        return count_by_prefix(leaf_sizes(variables))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import InvalidSpecError
-from .._moments import Moments
+from ..observe import Moments
 
 
 class Criterion:

@@ -13,15 +13,17 @@ batches can come in any order and any size.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
 
 from .. import _compat
+from .._table import format_rows
 from .._errors import InvalidSpecError, SliceError
-from .._moments import Moments
-from .._observe import GRANULARITIES, Observer, neurons, scaled
+from ..observe import Moments
+from ..observe import GRANULARITIES, Observer, neurons, scaled
 from ._criteria import KMNC, NBC, NC, SNAC, TKNC, Criterion
 
 _PROFILE, _UPDATE = 0, 1
@@ -40,12 +42,7 @@ class CoverageResult(dict):
         for crit, res in self.items():
             rows.append((crit, "(total)", f"{res['total']:.4f}"))
             rows += [("", key, f"{value:.4f}") for key, value in res["layers"].items()]
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines = [
-            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return format_rows(rows)
 
 
 class Tracker:
@@ -91,22 +88,14 @@ class Tracker:
             raise InvalidSpecError(
                 f"granularity must be one of {GRANULARITIES}, got {granularity!r}."
             )
-        if criteria is None:
-            criteria = [NC(0.5), KMNC(10), NBC(), SNAC(), TKNC(2)]
-        criteria = list(criteria)
-        bad = [c for c in criteria if not isinstance(c, Criterion)]
-        if not criteria or bad:
-            raise InvalidSpecError(
-                f"`criteria` must be a non-empty list of criteria such as js.coverage.NC(0.5), got {bad or criteria!r}."
-            )
-        self.criteria = criteria
+        self.criteria = _checked_criteria(criteria)
         self.granularity = granularity
         self._observer = Observer(target, args, kwargs, layers, position)
         self.layers = self._observer.layers
         self.sizes = [
             int(neurons(jax.numpy.zeros(s), granularity).shape[1]) for s in self._observer.shapes
         ]
-        self._names = _names(criteria)
+        self._names = _names(self.criteria)
         self._profile: list[Moments] | None = None
         self.reset()
 
@@ -160,20 +149,10 @@ class Tracker:
     def result(self) -> CoverageResult:
         """Coverage per criterion: the total over all neurons, and per layer."""
         self._check_profile()
-        out = CoverageResult()
-        layers = self.layers
-        for name, crit, state in zip(self._names, self.criteria, self._state, strict=True):
-            counts = [(int(c), int(n)) for c, n in crit.counts(state)]
-            keys = crit.keys(layers)
-            covered = sum(c for c, _ in counts)
-            total = sum(n for _, n in counts)
-            out[name] = {
-                "total": covered / total if total else 0.0,
-                "layers": {
-                    k: (c / n if n else 0.0) for k, (c, n) in zip(keys, counts, strict=True)
-                },
-            }
-        return out
+        states = zip(self._names, self.criteria, self._state, strict=True)
+        return CoverageResult(
+            (name, _coverage(crit, state, self.layers)) for name, crit, state in states
+        )
 
     def __repr__(self) -> str:
         return f"Tracker(criteria={self._names}, layers={self.layers})"
@@ -210,15 +189,42 @@ class Tracker:
         return step
 
 
+def _checked_criteria(criteria: Sequence[Criterion] | None) -> list[Criterion]:
+    """`criteria` as a list (by default NC(0.5), KMNC(10), NBC, SNAC and TKNC(2)), checked."""
+    if criteria is None:
+        return [NC(0.5), KMNC(10), NBC(), SNAC(), TKNC(2)]
+    criteria = list(criteria)
+    bad = [c for c in criteria if not isinstance(c, Criterion)]
+    if not criteria or bad:
+        raise InvalidSpecError(
+            f"`criteria` must be a non-empty list of criteria such as js.coverage.NC(0.5), got {bad or criteria!r}."
+        )
+    return criteria
+
+
+def _coverage(crit: Criterion, state: Any, layers: list[str]) -> dict[str, Any]:
+    """One criterion's coverage: over all its neurons, and per result key."""
+    counts = [(int(c), int(n)) for c, n in crit.counts(state)]
+    covered = sum(c for c, _ in counts)
+    total = sum(n for _, n in counts)
+    keys = crit.keys(layers)
+    per_key = {k: _fraction(c, n) for k, (c, n) in zip(keys, counts, strict=True)}
+    return {"total": _fraction(covered, total), "layers": per_key}
+
+
+def _fraction(covered: int, total: int) -> float:
+    return covered / total if total else 0.0
+
+
 def _names(criteria: list[Criterion]) -> list[str]:
-    names = [c.name for c in criteria]
-    dup = {n for n in names if names.count(n) > 1}
-    return [
-        f"{c.name}({', '.join(f'{k}={v}' for k, v in vars(c).items())})"
-        if c.name in dup
-        else c.name
-        for c in criteria
-    ]
+    """The criteria's names, with their settings for names that several criteria share."""
+    counts = collections.Counter(c.name for c in criteria)
+    return [_with_settings(c) if counts[c.name] > 1 else c.name for c in criteria]
+
+
+def _with_settings(crit: Criterion) -> str:
+    settings = ", ".join(f"{k}={v}" for k, v in vars(crit).items())
+    return f"{crit.name}({settings})"
 
 
 _compat.register_frames_exclusion(__file__)

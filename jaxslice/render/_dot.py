@@ -41,85 +41,154 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def to_dot(
-    dag: nx.DiGraph, *, annotations: dict[str, Any] | None = None, title: str = "jaxslice"
-) -> str:
-    """DOT source: a cluster per containing module, a box per module call, shape-labelled edges.
+def _in_slice(attrs: dict[str, Any]) -> bool:
+    return attrs.get("in_slice", True)
 
-    Nodes of the slice region are filled blue, the rest grey; `annotations` adds a line
-    (e.g. a coverage figure) to the named nodes or clusters.
-    """
-    annotations = annotations or {}
-    containers: dict[str, dict[str, Any]] = dag.graph.get("containers", {})
-    children: dict[str | None, list[tuple[str, bool]]] = {}
-    for name, attrs in dag.nodes(data=True):
-        children.setdefault(attrs.get("parent"), []).append((name, False))
-    for name, attrs in containers.items():
-        children.setdefault(attrs.get("parent"), []).append((name, True))
 
-    lines = [
+def _type_line(attrs: dict[str, Any]) -> str:
+    """``Dense (36 params)``: the module type and, when it has any, its parameter count."""
+    params = attrs.get("params")
+    return attrs["module_type"] + (f" ({params:,} params)" if params else "")
+
+
+def _header(title: str) -> list[str]:
+    return [
         f"digraph {_q(title)} {{",
         "  rankdir=TB;",
         '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
         '  edge [fontname="Helvetica", fontsize=8];',
     ]
 
-    def node_line(name: str, attrs: dict[str, Any], indent: str) -> str:
+
+def _edge_line(dag: nx.DiGraph, a: str, b: str, attrs: dict[str, Any]) -> str:
+    """An edge labelled with its shapes; grey unless both ends are in the slice."""
+    inside = _in_slice(dag.nodes[a]) and _in_slice(dag.nodes[b])
+    style = "" if inside else ", color=gray60, fontcolor=gray50"
+    return f"  {_q(a)} -> {_q(b)} [label={_q(', '.join(attrs.get('shapes', [])))}{style}];"
+
+
+class _Clusters:
+    """Writes the nodes of a module graph nested in one cluster per container."""
+
+    def __init__(self, dag: nx.DiGraph, annotations: dict[str, Any]) -> None:
+        self.dag = dag
+        self.annotations = annotations
+        self.containers: dict[str, dict[str, Any]] = dag.graph.get("containers", {})
+        members = [(n, a, False) for n, a in dag.nodes(data=True)]
+        members += [(n, a, True) for n, a in self.containers.items()]
+        self.children: dict[str | None, list[tuple[str, bool]]] = {}
+        for name, attrs, is_container in members:
+            self.children.setdefault(attrs.get("parent"), []).append((name, is_container))
+
+    def lines(self, parent: str | None = None, indent: str = "  ") -> list[str]:
+        """The DOT lines of the nodes and clusters directly inside `parent`."""
+        lines = []
+        for name, is_container in self.children.get(parent, []):
+            if is_container:
+                lines += self._cluster(name, indent)
+            else:
+                lines.append(self._node(name, indent))
+        return lines
+
+    def _notes(self, name: str) -> list[str]:
+        """The annotation of `name`, formatted, as a list of zero or one items."""
+        return [_fmt(self.annotations[name])] if name in self.annotations else []
+
+    def _cluster(self, name: str, indent: str) -> list[str]:
+        attrs = self.containers[name]
+        label = " ".join([f"{name} ({attrs['module_type']})", *self._notes(name)])
+        style = "rounded" if _in_slice(attrs) else "rounded,dashed"
+        return [
+            f"{indent}subgraph {_q('cluster_' + name)} {{",
+            f"{indent}  label={_q(label)}; style={_q(style)}; fontname=Helvetica; fontsize=10;",
+            *self.lines(name, indent + "  "),
+            f"{indent}}}",
+        ]
+
+    def _node(self, name: str, indent: str) -> str:
         if name in (INPUTS, OUTPUT):
             return f"{indent}{_q(name)} [shape=oval, fillcolor=white];"
-        lines = [
-            name,
-            attrs["module_type"]
-            + (f" ({attrs['params']:,} params)" if attrs.get("params") else ""),
-        ]
-        if name in annotations:
-            lines.append(_fmt(annotations[name]))
-        color = _IN if attrs.get("in_slice", True) else _OUT
-        font = "black" if attrs.get("in_slice", True) else "gray40"
-        return (
-            f'{indent}{_q(name)} [label={_label(*lines)}, fillcolor="{color}", fontcolor={font}];'
-        )
+        attrs = self.dag.nodes[name]
+        label = _label(name, _type_line(attrs), *self._notes(name))
+        color, font = (_IN, "black") if _in_slice(attrs) else (_OUT, "gray40")
+        return f'{indent}{_q(name)} [label={label}, fillcolor="{color}", fontcolor={font}];'
 
-    def emit(parent: str | None, indent: str) -> None:
-        for name, is_container in children.get(parent, []):
-            if is_container:
-                attrs = containers[name]
-                label = f"{name} ({attrs['module_type']})"
-                if name in annotations:
-                    label += f" {_fmt(annotations[name])}"
-                style = "rounded" if attrs.get("in_slice", True) else "rounded,dashed"
-                lines.append(f"{indent}subgraph {_q('cluster_' + name)} {{")
-                lines.append(
-                    f"{indent}  label={_q(label)}; style={_q(style)}; fontname=Helvetica; fontsize=10;"
-                )
-                emit(name, indent + "  ")
-                lines.append(f"{indent}}}")
-            else:
-                lines.append(node_line(name, dag.nodes[name], indent))
 
-    emit(None, "  ")
-    for a, b, attrs in dag.edges(data=True):
-        inside = dag.nodes[a].get("in_slice", True) and dag.nodes[b].get("in_slice", True)
-        style = "" if inside else ", color=gray60, fontcolor=gray50"
-        lines.append(
-            f"  {_q(a)} -> {_q(b)} [label={_q(', '.join(attrs.get('shapes', [])))}{style}];"
-        )
+def to_dot(
+    dag: nx.DiGraph, *, annotations: dict[str, Any] | None = None, title: str = "jaxslice"
+) -> str:
+    r"""DOT source: a cluster per containing module, a box per module call, shape-labelled edges.
+
+    Nodes of the slice region are filled blue, the rest grey.
+
+    Args:
+      dag: a module graph, as `module_graph` builds it.
+      annotations: an extra line (e.g. a coverage figure) for the named nodes or clusters.
+      title: the name of the DOT graph.
+
+    Returns:
+      The DOT source, ending in a newline.
+
+    >>> import networkx as nx
+    >>> from jaxslice.render import to_dot
+    >>> dag = nx.DiGraph()
+    >>> dag.add_node("fc", module_type="Dense", params=12)
+    >>> dag.add_edge("fc", "<output>", shapes=["float32[2, 3]"])
+    >>> print(to_dot(dag, annotations={"fc": 0.25}))
+    digraph "jaxslice" {
+      rankdir=TB;
+      node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];
+      edge [fontname="Helvetica", fontsize=8];
+      "fc" [label="fc\nDense (12 params)\n0.25", fillcolor="#dbe9ff", fontcolor=black];
+      "<output>" [shape=oval, fillcolor=white];
+      "fc" -> "<output>" [label="float32[2, 3]"];
+    }
+    <BLANKLINE>
+    """
+    lines = _header(title) + _Clusters(dag, annotations or {}).lines()
+    lines += [_edge_line(dag, a, b, attrs) for a, b, attrs in dag.edges(data=True)]
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
-def render_dot(source: str, path: str | os.PathLike[str], *, format: str | None = None) -> str:
-    """Writes `source` rendered by `dot` to `path` (format from the suffix: svg, png, pdf)."""
+def _dot_program() -> str:
     exe = shutil.which("dot")
     if exe is None:
         raise SliceError(NO_DOT)
+    return exe
+
+
+def _format_of(path: str, format: str | None) -> str:
+    """`format` when given, else the suffix of `path`, else svg."""
+    return format or os.path.splitext(path)[1].lstrip(".") or "svg"
+
+
+def render_dot(source: str, path: str | os.PathLike[str], *, format: str | None = None) -> str:
+    """Writes `source` rendered by Graphviz's `dot` program to `path`.
+
+    Args:
+      source: DOT source, as `to_dot` gives it.
+      path: the file to write.
+      format: a `dot` output format (svg, png, pdf, ...); by default the suffix of `path`,
+        or svg when it has none.
+
+    Returns:
+      `path`, as a string.
+
+    Raises:
+      SliceError: when `dot` is not on PATH (with how to install it), or fails.
+    """
+    exe = _dot_program()
     path = os.fspath(path)
-    fmt = format or (os.path.splitext(path)[1].lstrip(".") or "svg")
     with tempfile.NamedTemporaryFile("w", suffix=".dot", delete=False) as f:
         f.write(source)
         src = f.name
     try:
-        done = subprocess.run([exe, f"-T{fmt}", src, "-o", path], capture_output=True, text=True)
+        done = subprocess.run(
+            [exe, f"-T{_format_of(path, format)}", src, "-o", path],
+            capture_output=True,
+            text=True,
+        )
     finally:
         os.unlink(src)
     if done.returncode != 0:

@@ -5,18 +5,29 @@ nested in it becomes a container, not a node) plus ``<inputs>`` and ``<output>``
 A -> B means a value that A computes reaches B, possibly through equations that belong to
 no node (residual adds, activations between modules), which are looked through. Each
 edge carries the shapes and dtypes of the values on it.
+
+Edges come from one walk over the equations in program order (`_EdgeBuilder`) that keeps,
+for every value, the set of nodes it was computed from. Calls inside loop bodies
+(``Call.loop`` set) are left out of the DAG.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import networkx as nx
 
-from .._graph import Call, Graph, describe_aval, innermost
+from .._core.graph import Call, Graph, innermost
+from .._trees import describe_aval
 
 INPUTS = "<inputs>"
 OUTPUT = "<output>"
+
+
+# --------------------------------------------------------------------------- nesting of calls
 
 
 def _depth(call: Call) -> int:
@@ -27,23 +38,143 @@ def _parts(call: Call) -> tuple[str, ...]:
     return tuple(call.name.split(".")[0].split("/"))
 
 
+def _is_marked(call: Call) -> bool:
+    """Whether the call has marker orders (name-scope regions have none)."""
+    return not (math.isinf(call.in_seq) or math.isinf(call.out_seq))
+
+
+def _within_span(outer: Call, inner: Call) -> bool:
+    return outer.start <= inner.start and inner.stop <= outer.stop
+
+
+def _within_markers(outer: Call, inner: Call) -> bool:
+    """Marker orders separate calls that share an equation span (empty calls, say)."""
+    if not (_is_marked(outer) and _is_marked(inner)):
+        return True
+    return outer.in_seq <= inner.in_seq and inner.out_seq <= outer.out_seq
+
+
+def _within_path(outer: Call, inner: Call) -> bool:
+    """A submodule of `outer`, or a method (``ae.encode``) of the module `outer` calls."""
+    po, pi = _parts(outer), _parts(inner)
+    if pi[: len(po)] != po:
+        return False
+    return len(pi) > len(po) or ("." in inner.name and "." not in outer.name)
+
+
 def _contains(outer: Call, inner: Call) -> bool:
     """Whether `inner` runs inside `outer` (a submodule, or a method of the same module)."""
-    if outer is inner or not (outer.start <= inner.start and inner.stop <= outer.stop):
-        return False
-    marked = all(
-        abs(x) != float("inf") for x in (outer.in_seq, outer.out_seq, inner.in_seq, inner.out_seq)
-    )
-    if marked and not (outer.in_seq <= inner.in_seq and inner.out_seq <= outer.out_seq):
-        return False
-    po, pi = _parts(outer), _parts(inner)
-    return pi[: len(po)] == po and (
-        len(pi) > len(po) or "." in inner.name and "." not in outer.name
+    return (
+        outer is not inner
+        and _within_span(outer, inner)
+        and _within_markers(outer, inner)
+        and _within_path(outer, inner)
     )
 
 
-def _short(aval: Any) -> str:
-    return describe_aval(aval)
+def _tightness(call: Call) -> tuple[int, float, int]:
+    """Sort key: the innermost of several enclosing calls sorts first."""
+    return (call.stop - call.start, -call.in_seq, -len(_parts(call)))
+
+
+def _parent(call: Call, calls: Sequence[Call]) -> str | None:
+    """The qualified name of the innermost call around `call`, or None at the top."""
+    outer = [p for p in calls if _contains(p, call)]
+    if not outer:
+        return None
+    return min(outer, key=_tightness).qualname
+
+
+def _has_nested(call: Call, calls: Sequence[Call]) -> bool:
+    return any(_contains(call, other) for other in calls)
+
+
+def _shown(call: Call, depth: int | None) -> bool:
+    """Calls inside loop bodies, and deeper than `depth`, are not in the DAG."""
+    return call.loop is None and (depth is None or _depth(call) <= depth)
+
+
+@dataclasses.dataclass
+class _Layout:
+    """The calls shown, the call around each (by qualified name) and the containers."""
+
+    calls: list[Call]
+    parents: dict[str, str | None]
+    containers: set[str]
+
+    @classmethod
+    def of(cls, graph: Graph, depth: int | None) -> _Layout:
+        calls = [c for c in graph.calls if _shown(c, depth)]
+        return cls(
+            calls=calls,
+            parents={c.qualname: _parent(c, calls) for c in calls},
+            containers={c.qualname for c in calls if _has_nested(c, calls)},
+        )
+
+    def nodes(self) -> list[Call]:
+        return [c for c in self.calls if c.qualname not in self.containers]
+
+    def boxes(self) -> list[Call]:
+        return [c for c in self.calls if c.qualname in self.containers]
+
+
+# --------------------------------------------------------------------------- nodes
+
+
+def _ids(slots: Iterable[Any]) -> list[int]:
+    """The value ids of `slots`, skipping static (non-array) ones."""
+    return [s.id for s in slots if s.id is not None]
+
+
+def _computed(graph: Graph, slots: Iterable[Any]) -> list[int]:
+    """The value ids of `slots` that the program computes (not constants, variables or keys)."""
+    return [v for v in _ids(slots) if not graph.is_free(v)]
+
+
+def _describe(graph: Graph, ids: Iterable[int]) -> str:
+    return ", ".join(describe_aval(graph.avals[v]) for v in ids)
+
+
+def _overlaps(call: Call, in_slice: set[int] | None) -> bool:
+    """Whether any equation of `call` is in the slice (everything is without a slice)."""
+    return in_slice is None or any(i in in_slice for i in range(call.start, call.stop))
+
+
+def _add_terminals(dag: nx.DiGraph) -> None:
+    for name in [INPUTS, OUTPUT]:
+        dag.add_node(
+            name,
+            label=name,
+            module_type="",
+            params=0,
+            inputs="",
+            outputs="",
+            parent=None,
+            in_slice=True,
+        )
+
+
+def _call_attrs(
+    graph: Graph, call: Call, layout: _Layout, params: int, in_slice: set[int] | None
+) -> dict[str, Any]:
+    return dict(
+        label=call.qualname,
+        module_type=call.module_type,
+        params=params,
+        inputs=_describe(graph, _computed(graph, call.in_slots)),
+        outputs=_describe(graph, _ids(call.out_slots)),
+        parent=layout.parents[call.qualname],
+        in_slice=_overlaps(call, in_slice),
+        container=call.qualname in layout.containers,
+    )
+
+
+def _add_call(dag: nx.DiGraph, attrs: dict[str, Any]) -> None:
+    """A node for a call, or an entry in ``dag.graph["containers"]`` for a container."""
+    if attrs["container"]:
+        dag.graph.setdefault("containers", {})[attrs["label"]] = attrs
+    else:
+        dag.add_node(attrs["label"], **attrs)
 
 
 def module_graph(
@@ -56,122 +187,137 @@ def module_graph(
     """The module-level DAG of `graph` (see the module docstring).
 
     Args:
+      graph: the traced program.
       depth: the deepest path level shown as nodes; deeper calls fold into their parent.
       parameters: parameter count per call name, stored on the nodes.
       in_slice: equation indices of a slice; nodes get ``in_slice`` set accordingly.
 
-    Node attributes: ``label``, ``module_type``, ``params``, ``inputs``, ``outputs``,
-    ``parent`` (the containing call or None), ``in_slice``. Edge attribute: ``shapes``.
+    Returns:
+      A `networkx.DiGraph`. Node attributes: ``label``, ``module_type``, ``params``,
+      ``inputs``, ``outputs``, ``parent`` (the containing call or None), ``in_slice``.
+      Edge attribute: ``shapes``. Containers are not nodes; their attributes are in
+      ``dag.graph["containers"]``, keyed by name (the key is absent when there are none).
+
+    >>> import jax.numpy as jnp, jaxslice as js
+    >>> double = js.mark("double", lambda x: 2 * x)
+    >>> dag = js.slice(lambda params, x: jnp.sin(double(x)), {}, jnp.ones(3)).to_networkx()
+    >>> sorted(dag.edges)
+    [('<inputs>', 'double'), ('double', '<output>')]
+    >>> dag.edges["double", "<output>"]["shapes"]
+    ['float32[3]']
     """
-    calls = [c for c in graph.calls if c.loop is None and (depth is None or _depth(c) <= depth)]
-    parents: dict[str, str | None] = {}
-    nodes: list[Call] = []
-    containers: set[str] = set()
-    for c in calls:
-        outer = [p for p in calls if _contains(p, c)]
-        innermost = min(
-            outer, key=lambda p: (p.stop - p.start, -p.in_seq, -len(_parts(p))), default=None
-        )
-        parents[c.qualname] = innermost.qualname if innermost is not None else None
-        if any(_contains(c, d) for d in calls):
-            containers.add(c.qualname)
-        else:
-            nodes.append(c)
+    layout = _Layout.of(graph, depth)
     dag = nx.DiGraph()
+    _add_terminals(dag)
     parameters = parameters or {}
-    for name in [INPUTS, OUTPUT]:
-        dag.add_node(
-            name,
-            label=name,
-            module_type="",
-            params=0,
-            inputs="",
-            outputs="",
-            parent=None,
-            in_slice=True,
-        )
-    for c in calls:
-        ins = [
-            graph.avals[s.id] for s in c.in_slots if s.id is not None and not graph.is_free(s.id)
-        ]
-        outs = [graph.avals[s.id] for s in c.out_slots if s.id is not None]
-        attrs = dict(
-            label=c.qualname,
-            module_type=c.module_type,
-            params=parameters.get(c.qualname, 0),
-            inputs=", ".join(_short(a) for a in ins),
-            outputs=", ".join(_short(a) for a in outs),
-            parent=parents[c.qualname],
-            in_slice=in_slice is None or any(i in in_slice for i in range(c.start, c.stop)),
-            container=c.qualname in containers,
-        )
-        if c.qualname in containers:
-            dag.graph.setdefault("containers", {})[c.qualname] = attrs
-        else:
-            dag.add_node(c.qualname, **attrs)
-    container_calls = [c for c in calls if c.qualname in containers]
-    _add_edges(graph, dag, nodes, container_calls, parents)
+    for c in layout.calls:
+        _add_call(dag, _call_attrs(graph, c, layout, parameters.get(c.qualname, 0), in_slice))
+    _EdgeBuilder(graph, dag, layout).build()
     return dag
 
 
-def _add_edges(
-    graph: Graph,
-    dag: nx.DiGraph,
-    nodes: list[Call],
-    containers: list[Call],
-    parents: dict[str, str | None],
-) -> None:
-    # Glue equations inside a container (a residual add, say) take their source from the
-    # container's own nodes when they have one, so edges follow the module structure.
-    box = [c.qualname if c is not None else None for c in innermost(containers, len(graph.eqns))]
-    ancestors: dict[str, set[str]] = {}
-    for c in nodes:
-        chain, p = set(), parents.get(c.qualname)
-        while p is not None:
-            chain.add(p)
-            p = parents.get(p)
-        ancestors[c.qualname] = chain
-    owner = [c.qualname if c is not None else None for c in innermost(nodes, len(graph.eqns))]
-    first = {c.qualname: c.start for c in nodes}
-    src: dict[int, frozenset[str]] = {v: frozenset([INPUTS]) for v in graph.input_ids}
-    starts: dict[int, list[Call]] = {}
-    stops: dict[int, list[Call]] = {}
-    for c in nodes:
-        starts.setdefault(c.start, []).append(c)
-        stops.setdefault(c.stop, []).append(c)
+# --------------------------------------------------------------------------- edges
 
-    def connect(values: list[int], target: str) -> None:
-        for v in values:
-            for s in src.get(v, ()):
-                if s != target:
-                    if not dag.has_edge(s, target):
-                        dag.add_edge(s, target, shapes=[])
-                    shape = _short(graph.avals[v])
-                    if shape not in dag.edges[s, target]["shapes"]:
-                        dag.edges[s, target]["shapes"].append(shape)
 
-    for pos in range(len(graph.eqns) + 1):
-        for c in sorted(stops.get(pos, ()), key=lambda c: c.out_seq):
-            if c.start == pos and c.stop == pos:
-                connect([s.id for s in c.in_slots if s.id is not None], c.qualname)
-            for s in c.out_slots:
-                if s.id is not None and not graph.is_free(s.id):
-                    src[s.id] = frozenset([c.qualname])
-        for c in starts.get(pos, ()):
+def _names(owners: Sequence[Call | None]) -> list[str | None]:
+    return [c.qualname if c is not None else None for c in owners]
+
+
+def _ancestors(name: str, parents: dict[str, str | None]) -> set[str]:
+    """The qualified names of the containers around the call `name`."""
+    chain, p = set(), parents.get(name)
+    while p is not None:
+        chain.add(p)
+        p = parents.get(p)
+    return chain
+
+
+def _group(calls: Sequence[Call], key: Callable[[Call], int]) -> dict[int, list[Call]]:
+    groups: dict[int, list[Call]] = {}
+    for c in calls:
+        groups.setdefault(key(c), []).append(c)
+    return groups
+
+
+class _EdgeBuilder:
+    """Adds the edges of the DAG in one walk over the equations, in program order.
+
+    `src` maps each value id to the nodes it was computed from. A node's equations make
+    values from the node itself; glue equations (owned by no node) pass their operands'
+    sources through, so a residual add reports the modules feeding it. A node connects
+    from the sources of the values it reads that were made before it started.
+    """
+
+    def __init__(self, graph: Graph, dag: nx.DiGraph, layout: _Layout) -> None:
+        n = len(graph.eqns)
+        self.graph, self.dag = graph, dag
+        nodes = layout.nodes()
+        self.owner = _names(innermost(nodes, n))
+        # Glue equations inside a container (a residual add, say) take their source from
+        # the container's own nodes when they have one, so edges follow the module structure.
+        self.box = _names(innermost(layout.boxes(), n))
+        self.ancestors = {c.qualname: _ancestors(c.qualname, layout.parents) for c in nodes}
+        self.first = {c.qualname: c.start for c in nodes}
+        self.starts = _group(nodes, lambda c: c.start)
+        self.stops = _group(nodes, lambda c: c.stop)
+        self.src: dict[int, frozenset[str]] = {v: frozenset([INPUTS]) for v in graph.input_ids}
+
+    def build(self) -> None:
+        n = len(self.graph.eqns)
+        for pos in range(n):
+            self._boundaries(pos)
+            self._equation(pos)
+        self._boundaries(n)
+        self._connect(_ids(self.graph.out_slots), OUTPUT)
+
+    def _boundaries(self, pos: int) -> None:
+        """Calls ending at `pos` publish their outputs; calls starting there read inputs."""
+        for c in sorted(self.stops.get(pos, ()), key=lambda c: c.out_seq):
+            self._finish(c)
+        for c in self.starts.get(pos, ()):
             if c.stop != pos:
-                connect([s.id for s in c.in_slots if s.id is not None], c.qualname)
-        if pos == len(graph.eqns):
-            break
-        eqn = graph.eqns[pos]
-        name = owner[pos]
-        if name is not None:
-            connect([v for v in eqn.ins if graph.producer.get(v, -1) < first[name]], name)
-            new = frozenset([name])
+                self._connect(_ids(c.in_slots), c.qualname)
+
+    def _finish(self, call: Call) -> None:
+        if call.start == call.stop:  # no equations of its own: it reads its inputs here
+            self._connect(_ids(call.in_slots), call.qualname)
+        for v in _computed(self.graph, call.out_slots):
+            self.src[v] = frozenset([call.qualname])
+
+    def _equation(self, pos: int) -> None:
+        eqn = self.graph.eqns[pos]
+        name = self.owner[pos]
+        if name is None:
+            made_from = self._glue_sources(eqn.ins, self.box[pos])
         else:
-            new = frozenset().union(*(src.get(v, frozenset()) for v in eqn.ins))
-            inside = frozenset(n for n in new if box[pos] in ancestors.get(n, ()))
-            if box[pos] is not None and inside:
-                new = inside
+            self._connect(self._from_before(eqn.ins, name), name)
+            made_from = frozenset([name])
         for v in eqn.outs:
-            src[v] = new
-    connect([s.id for s in graph.out_slots if s.id is not None], OUTPUT)
+            self.src[v] = made_from
+
+    def _from_before(self, ins: Iterable[int], name: str) -> list[int]:
+        """The operands made before node `name` started: its inputs from elsewhere."""
+        return [v for v in ins if self.graph.producer.get(v, -1) < self.first[name]]
+
+    def _glue_sources(self, ins: Iterable[int], box: str | None) -> frozenset[str]:
+        """The nodes a glue equation's result comes from, preferring those inside `box`."""
+        sources = frozenset().union(*(self.src.get(v, frozenset()) for v in ins))
+        if box is None:
+            return sources
+        return self._inside(sources, box) or sources
+
+    def _inside(self, names: frozenset[str], box: str) -> frozenset[str]:
+        return frozenset(n for n in names if box in self.ancestors.get(n, ()))
+
+    def _connect(self, values: Iterable[int], target: str) -> None:
+        for v in values:
+            for s in self.src.get(v, ()):
+                if s != target:
+                    self._add_shape(s, target, describe_aval(self.graph.avals[v]))
+
+    def _add_shape(self, source: str, target: str, shape: str) -> None:
+        if not self.dag.has_edge(source, target):
+            self.dag.add_edge(source, target, shapes=[])
+        shapes = self.dag.edges[source, target]["shapes"]
+        if shape not in shapes:
+            shapes.append(shape)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from jaxslice import _cut
+from jaxslice._core import analysis as _cut
 
 
 def _producer(program):
@@ -62,7 +62,9 @@ def test_cut_matches_brute_force(seed):
 def test_free_values_stop_the_walk():
     program = [((0,), (1,)), ((1, 9), (2,))]
     got = _cut.cut(program, {1: 0, 2: 1}, starts={1}, is_free=lambda v: v == 9, outputs=[2])
-    assert got.eqns == (1,) and got.used_free == {9} and got.used_starts == {1} and got.missing == ()
+    assert (
+        got.eqns == (1,) and got.used_free == {9} and got.used_starts == {1} and got.missing == ()
+    )
 
 
 def test_missing_program_input_is_reported():

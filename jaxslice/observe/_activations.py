@@ -7,10 +7,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from . import _compat
-from ._errors import InvalidSpecError
+from .. import _compat
+from .._errors import InvalidSpecError
 from ._moments import Moments
-from ._observe import Observer
+from ._observer import Observer
 
 PER = ("tensor", "channel")
 

@@ -3,10 +3,10 @@
 `SlicedModule` holds the original submodules the slice needs (and, for variables the root
 module owns directly, the original `nnx.Variable`s), so its parameters, batch statistics
 and RNG state *are* the model's: training the slice trains the model, and
-``sub.train()``/``sub.eval()`` switch those submodules. What to compute comes from a
-`Sliced` engine that traces the whole model and caches one compiled program per input
-signature and per graph definition of the model (so a changed flag re-traces, and an
-unchanged one does not). Each call reads the current variable values, runs only the
+``sub.train()``/``sub.eval()`` switch those submodules. What to compute comes from the engine
+(`Any`), which caches one compiled program per input signature and per graph
+definition of the model (so a changed flag or submodule re-traces, and an unchanged one
+does not). Each call reads the current variable values, runs only the
 sliced program and writes back the state it updated (batch statistics, RNG counters).
 """
 
@@ -16,11 +16,10 @@ from typing import Any
 
 from flax import nnx
 
-from . import _compat
-from ._errors import SliceError
-from ._graph import innermost
-from ._sliced import Sliced, _assemble
-from .adapters._nnx import get_value, set_value
+from .. import _compat
+from .._core.graph import innermost
+from .._errors import SliceError
+from ._nnx_state import get_value, set_value
 
 
 class _Static:
@@ -33,42 +32,52 @@ class _Static:
         return f"<jaxslice slice {self.start!r} -> {self.end!r}>"
 
 
-def _held(root: Any, engine: Sliced) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+def _held(root: Any, program: Any) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
     """The module paths (and loose variable paths) a slice must hold."""
-    plan = engine._base.plan
-    graph = engine._base.traced.graph
-    modules = {
-        tuple(path): node for path, node in nnx.iter_graph(root) if isinstance(node, nnx.Module)
-    }
+    plan = program.base.plan
+    modules = [tuple(p) for p, node in nnx.iter_graph(root) if isinstance(node, nnx.Module)]
     by_str = {tuple(str(p) for p in path): path for path in modules}
-    wanted: set[tuple[Any, ...]] = set()
-    # The innermost module call around each equation of the slice runs in it (and may
-    # read flags such as `deterministic`), so the slice holds that module.
-    calls = [c for c in graph.calls if c.loop is None]
-    owner = innermost(calls, len(graph.eqns))
-    for i in plan.cut.eqns:
-        if owner[i] is not None and owner[i].path in by_str:
-            wanted.add(by_str[owner[i].path])
-    # A call without equations in this mode (dropout in eval mode) is held when the slice
-    # passes through it, so switching modes later reaches it.
-    made = {v for i in plan.cut.eqns for v in graph.eqns[i].outs} | set(plan.input_ids)
-    read = {v for i in plan.cut.eqns for v in graph.eqns[i].ins} | set(plan.output_ids)
-    for call in calls:
-        if call.start == call.stop and call.path in by_str:
-            ins = {s.id for s in call.in_slots if s.id is not None}
-            outs = {s.id for s in call.out_slots if s.id is not None}
-            if ins & made and outs & read:
-                wanted.add(by_str[call.path])
+    wanted = {by_str[path] for path in _running_modules(program) if path in by_str}
+    owned = [p for p in modules if p]
     loose = []
     for path in set(plan.variable_paths) | set(plan.state_paths):
-        owner = max((m for m in modules if m and path[: len(m)] == m), key=len, default=None)
+        owner = max((m for m in owned if path[: len(m)] == m), key=len, default=None)
         if owner is None:
             loose.append(path)
         else:
             wanted.add(owner)
-    parts = sorted((p for p in wanted if p), key=lambda p: tuple(map(str, p)))
-    parts = [p for p in parts if not any(q != p and p[: len(q)] == q for q in parts)]
-    return parts, sorted(loose, key=lambda p: tuple(map(str, p)))
+    return _outermost(wanted), sorted(loose, key=_order)
+
+
+def _order(path: tuple[Any, ...]) -> tuple[str, ...]:
+    return tuple(map(str, path))
+
+
+def _outermost(paths: set[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The non-empty paths not nested in another of them, sorted."""
+    parts = sorted((p for p in paths if p), key=_order)
+    return [p for p in parts if not any(q != p and p[: len(q)] == q for q in parts)]
+
+
+def _running_modules(program: Any) -> set[tuple[str, ...]]:
+    """Paths of the module calls a slice runs in.
+
+    The innermost module call around each equation of the slice runs it (and may read
+    flags such as `deterministic`). A call without equations in this mode (dropout in
+    eval mode) counts when the slice passes through it, so switching modes reaches it.
+    """
+    plan, graph = program.base.plan, program.base.traced.graph
+    calls = [c for c in graph.calls if c.loop is None]
+    owner = innermost(calls, len(graph.eqns))
+    found = {owner[i].path for i in plan.cut.eqns if owner[i] is not None}
+    made = {v for i in plan.cut.eqns for v in graph.eqns[i].outs} | set(plan.input_ids)
+    read = {v for i in plan.cut.eqns for v in graph.eqns[i].ins} | set(plan.output_ids)
+    empty = [c for c in calls if c.start == c.stop]
+    return found | {c.path for c in empty if _ids(c.in_slots) & made and _ids(c.out_slots) & read}
+
+
+def _ids(slots: Any) -> set[int]:
+    return {s.id for s in slots if s.id is not None}
 
 
 class SlicedModule(nnx.Module):
@@ -79,18 +88,18 @@ class SlicedModule(nnx.Module):
     work on it as on any module, and training it updates the original model.
     """
 
-    def __init__(self, root: Any, engine: Sliced):
-        part_paths, loose_paths = _held(root, engine)
+    def __init__(self, root: Any, program: Any):
+        part_paths, loose_paths = _held(root, program)
         nodes = dict(nnx.iter_graph(root))
         self.parts = nnx.List([nodes[p] for p in part_paths])
         self.loose = nnx.List([nodes[p] for p in loose_paths])
         self._jaxslice = _Static(
-            engine=engine,
+            program=program,
             root=root,
             part_paths=part_paths,
             loose_paths=loose_paths,
-            start=engine.start,
-            end=engine.end,
+            start=program.start,
+            end=program.end,
         )
 
     @property
@@ -104,21 +113,32 @@ class SlicedModule(nnx.Module):
     @property
     def jaxpr(self) -> Any:
         """The re-emitted program for the shapes and mode it was sliced with."""
-        return self._jaxslice.engine.jaxpr
+        return self._jaxslice.program.jaxpr
+
+    @property
+    def build_info(self) -> Any:
+        """How the slice was built; see `js.BuildInfo`."""
+        return self._jaxslice.program.build_info
 
     def to_networkx(self, depth: int | None = None) -> Any:
         """The model's module-level DAG with this slice marked; see `js.Sliced.to_networkx`."""
-        return self._jaxslice.engine.to_networkx(depth)
+        from ..render import slice_graph
+
+        return slice_graph(self._jaxslice.program, depth, whole=False)
 
     def to_dot(self, depth: int | None = None, annotations: dict[str, Any] | None = None) -> str:
         """DOT source with this slice highlighted; see `js.Sliced.to_dot`."""
-        return self._jaxslice.engine.to_dot(depth, annotations)
+        from ..render import to_dot
+
+        return to_dot(self.to_networkx(depth), annotations=annotations)
 
     def render(
         self, path: Any, depth: int | None = None, annotations: dict[str, Any] | None = None
     ) -> str:
         """Renders `to_dot` with Graphviz's `dot`; see `js.Sliced.render`."""
-        return self._jaxslice.engine.render(path, depth, annotations)
+        from ..render import render_dot
+
+        return render_dot(self.to_dot(depth, annotations), path)
 
     def _variables_by_path(self) -> dict[tuple[Any, ...], Any]:
         meta = self._jaxslice
@@ -132,8 +152,8 @@ class SlicedModule(nnx.Module):
         return found
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        engine = self._jaxslice.engine
-        entry, leaves = engine._lookup(inputs, kwargs, None, True)
+        program = self._jaxslice.program
+        entry, leaves = program.lookup(inputs, kwargs, None, True)
         variables = self._variables_by_path()
         missing = [
             p for p in entry.plan.variable_paths + entry.plan.state_paths if p not in variables
@@ -145,11 +165,10 @@ class SlicedModule(nnx.Module):
                 + ". Slice the model again after switching it to this mode."
             )
         values = [get_value(variables[p]) for p in entry.plan.variable_paths]
-        outs = entry.jitted(values, [], leaves)
-        n = len(entry.plan.output_ids)
-        for path, value in zip(entry.plan.state_paths, outs[n:], strict=True):
+        result, state = program.run(entry, values, [], leaves, True)
+        for path, value in state:
             set_value(variables[path], value)
-        return _assemble(entry.plan.output_trees, outs[:n])
+        return result
 
 
 _compat.register_frames_exclusion(__file__)

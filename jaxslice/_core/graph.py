@@ -1,0 +1,218 @@
+"""jaxslice's own view of a traced program (the data the pipeline passes along).
+
+Model: values are integer ids (nodes) and equations are edges from the values they read
+to the values they write, in program order. The graph is flat: call-like equations (jit,
+remat, custom_jvp/vjp) whose bodies contain module calls are inlined, each inlining with
+fresh ids, so a boundary inside a jitted function is an ordinary value here. Loops and
+conditionals stay single equations; module calls inside their bodies are listed with
+`loop` set, and cannot be sliced at.
+
+Constants (closed-over arrays and literals) are values with a known value. The program's
+invars are split into variables (the model's parameters and state, each with its key path),
+random keys, and inputs.
+
+A `Call` is one module call: its name, call index, the value ids of its input and output
+leaves, and the equation span it covers. `build.py` makes a graph from a traced jaxpr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _compat
+from . import analysis
+from .markers import INPUT, Origin
+
+
+@dataclasses.dataclass(eq=False)
+class Eqn:
+    """One equation of the flat program."""
+
+    jax_eqn: Any
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    scopes: tuple[str, ...]
+
+    @property
+    def primitive(self) -> str:
+        return _compat.primitive_name(self.jax_eqn)
+
+
+class Slot:
+    """Stands for one leaf of a call's pytree: a value id, or a fixed non-array value."""
+
+    __slots__ = ("id", "static")
+
+    def __init__(self, id: int | None, static: Any = None):
+        self.id = id
+        self.static = static
+
+    def __repr__(self) -> str:
+        return f"Slot({self.id})" if self.id is not None else f"Slot(static={self.static!r})"
+
+
+@dataclasses.dataclass(eq=False)
+class Call:
+    """One module call (a boundary occurrence) in the flat program."""
+
+    name: str
+    index: int
+    module_type: str
+    method: str
+    origin: Origin
+    in_tree: Any
+    in_slots: list[Slot]
+    out_tree: Any
+    out_slots: list[Slot]
+    start: int  # index of the first equation of the call
+    stop: int  # index one past its last equation
+    loop: str | None = None  # primitive of the enclosing loop, if inside one
+    count: int = 1  # how many calls share `name`
+    path: tuple[str, ...] = ()
+    # Order of the call's first input marker and last output marker among all markers;
+    # orders events that share an equation position. None for name-scope regions.
+    in_seq: float = float("inf")
+    out_seq: float = float("-inf")
+
+    @property
+    def is_module(self) -> bool:
+        """A module of a model library: its path is how its variables are keyed."""
+        return self.origin is Origin.MODULE
+
+    @property
+    def is_scope(self) -> bool:
+        """A `jax.named_scope` region (found from the name stack, not from markers)."""
+        return self.origin is Origin.SCOPE
+
+    @property
+    def qualname(self) -> str:
+        return self.name if self.count == 1 else f"{self.name}@{self.index}"
+
+    def port_tree(self, side: str) -> Any:
+        """The call's pytree on one side, with `Slot` leaves."""
+        if side == INPUT:
+            return jax.tree_util.tree_unflatten(self.in_tree, self.in_slots)
+        return jax.tree_util.tree_unflatten(self.out_tree, self.out_slots)
+
+
+@dataclasses.dataclass(eq=False)
+class Region:
+    """An inlined call-like equation (jit, remat, custom_jvp/vjp): the equation itself, with
+    the ids of its operands and results, and the span of equations it was inlined into.
+
+    A slice that needs the region but starts and ends outside it runs the original
+    equation instead of its inlined body, which keeps custom derivative rules, remat
+    policies and jit boundaries.
+    """
+
+    eqn: Eqn
+    start: int
+    stop: int
+
+
+@dataclasses.dataclass(eq=False)
+class Graph:
+    """A traced program, flattened."""
+
+    avals: list[Any] = dataclasses.field(default_factory=list)
+    consts: dict[int, Any] = dataclasses.field(default_factory=dict)
+    eqns: list[Eqn] = dataclasses.field(default_factory=list)
+    variable_ids: list[int] = dataclasses.field(default_factory=list)
+    variable_paths: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+    rng_ids: list[int] = dataclasses.field(default_factory=list)
+    input_ids: list[int] = dataclasses.field(default_factory=list)
+    input_tree: Any = None  # treedef of (args, kwargs) with all leaves
+    input_slots: list[Slot] = dataclasses.field(default_factory=list)
+    out_slots: list[Slot] = dataclasses.field(default_factory=list)
+    out_tree: Any = None
+    state_paths: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+    state_ids: list[int] = dataclasses.field(default_factory=list)
+    calls: list[Call] = dataclasses.field(default_factory=list)
+    regions: list[Region] = dataclasses.field(default_factory=list)
+    partial: bool = False  # traced only up to a slice's ends (no model output)
+    build_seconds: float = 0.0  # time `build` took
+    producer: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def new_value(self, aval: Any) -> int:
+        self.avals.append(aval)
+        return len(self.avals) - 1
+
+    def new_const(self, value: Any) -> int:
+        vid = self.new_value(jax.typeof(value) if _is_jax_value(value) else None)
+        self.consts[vid] = value
+        return vid
+
+    @property
+    def variable_set(self) -> frozenset[int]:
+        return frozenset(self.variable_ids)
+
+    def is_free(self, vid: int) -> bool:
+        """Values a slice never has to compute: constants, variables and random keys."""
+        return vid in self.consts or vid in self._free
+
+    @property
+    def _free(self) -> frozenset[int]:
+        cached = self.__dict__.get("_free_cache")
+        if cached is None:
+            cached = frozenset(self.variable_ids) | frozenset(self.rng_ids)
+            self.__dict__["_free_cache"] = cached
+        return cached
+
+    @property
+    def program(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """The equations as ``(ins, outs)`` pairs, the form `analysis` works on."""
+        cached = self.__dict__.get("_program_cache")
+        if cached is None or len(cached) != len(self.eqns):
+            cached = [(e.ins, e.outs) for e in self.eqns]
+            self.__dict__["_program_cache"] = cached
+        return cached
+
+    def cut(self, starts: Collection[int], outputs: Sequence[int]) -> analysis.Cut:
+        """`analysis.cut` over this graph: what computes `outputs` from `starts`."""
+        return analysis.cut(self.program, self.producer, starts, self.is_free, outputs)
+
+    def frontier(
+        self, starts: Collection[int], outputs: Sequence[int], is_landmark: Callable[[int], bool]
+    ) -> list[int]:
+        """`analysis.frontier` over this graph: the values missing from `starts`."""
+        return analysis.frontier(
+            self.program, self.producer, starts, self.is_free, outputs, is_landmark
+        )
+
+    def model_input_call(self) -> Call:
+        """The model's own inputs as a pseudo call (used for `start=None`)."""
+        return Call(
+            name="<inputs>",
+            index=0,
+            module_type="",
+            method="",
+            origin=Origin.MARK,
+            in_tree=self.input_tree,
+            in_slots=self.input_slots,
+            out_tree=self.input_tree,
+            out_slots=self.input_slots,
+            start=0,
+            stop=0,
+        )
+
+
+def innermost(calls: Sequence[Call], num_eqns: int) -> list[Call | None]:
+    """For each equation position, the innermost of `calls` whose span holds it.
+
+    Calls are visited outer to inner (by start, then longer span first, then call order),
+    so an inner call's span overwrites its parent's.
+    """
+    owner: list[Call | None] = [None] * num_eqns
+    for call in sorted(calls, key=lambda c: (c.start, -c.stop, c.in_seq)):
+        for i in range(call.start, call.stop):
+            owner[i] = call
+    return owner
+
+
+def _is_jax_value(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))

@@ -1,0 +1,199 @@
+"""From `start`/`end` to a `Plan` (stage 3): which values go in, which come out, and
+which equations and variables are needed in between.
+
+A short orchestrator over the pure analyses (`analysis.py`): resolve the ports, cut
+the program, add the slice's own state updates and side effects, fold inlined regions
+back. Anything that makes the slice impossible is reported by `diagnose.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from .. import _compat
+from .._errors import SliceError
+from .._trees import key_name
+from . import analysis, diagnose
+from .graph import Graph
+from .markers import INPUT
+from .names import Resolver
+from .ports import (
+    Argument,
+    Port,
+    arguments_of,
+    flat_ports,
+    map_ports,
+    port_value_tree,
+    resolve_ends,
+    resolve_starts,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateRules:
+    """How a model kind's updated state maps to modules (an adapter's answers)."""
+
+    owner: Callable[[tuple[Any, ...]], tuple[str, ...]]  # state path -> module path
+    includes_variables: bool = False  # returned state lists unchanged variables too (NNX)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    starts: tuple[Port, ...] | None  # None: the model's inputs
+    ends: Any  # a Port, a tuple of Ports or a dict of Ports
+    arguments: tuple[Argument, ...]
+    input_ids: tuple[int, ...]
+    output_trees: Any  # same nesting as `ends`, each a pytree of Slots
+    output_ids: tuple[int, ...]
+    cut: analysis.Cut
+    variable_ids: tuple[int, ...]
+    variable_paths: tuple[tuple[Any, ...], ...]
+    rng_ids: tuple[int, ...]
+    state_paths: tuple[tuple[Any, ...], ...] = ()  # updated state the slice returns
+    state_ids: tuple[int, ...] = ()
+    program: tuple[Any, ...] = ()  # the equations to run (`Eqn`s), regions folded back
+    updated_collections: tuple[str, ...] = ()  # collections the slice changes in this mode
+    state_collections: tuple[str, ...] = ()  # collections the slice has state in
+
+
+def plan(
+    graph: Graph, start: Any, end: Any, mutable: Any = False, rules: StateRules | None = None
+) -> Plan:
+    """Plans the slice of `graph` from `start` to `end` (see `js.slice`)."""
+    p = _frame(graph, start, end)
+    if p.cut.missing:
+        works = lambda specs: _plannable(graph, specs, end)  # noqa: E731
+        ends = flat_ports(p.ends)
+        diagnose.raise_missing(graph, p.input_ids, p.output_ids, p.starts, ends, works)
+    whole = p.starts is None and isinstance(p.ends, Port) and p.ends.spec is None
+    own = slice_state(graph, p.cut, p.input_ids, whole, rules) if graph.state_paths else []
+    state = _wanted(own, mutable)
+    return _finish(
+        graph,
+        dataclasses.replace(
+            p,
+            state_paths=tuple(q for q, _ in state),
+            state_ids=tuple(v for _, v in state),
+            updated_collections=_collections(q for q, v in own if v not in graph.variable_set),
+            state_collections=_collections(q for q, _ in own),
+        ),
+    )
+
+
+def _frame(graph: Graph, start: Any, end: Any) -> Plan:
+    """The ports, arguments and cut of a slice, checked for connectivity."""
+    resolver = Resolver(graph)
+    starts = resolve_starts(graph, resolver, start)
+    start_ports = starts or (Port(None, graph.model_input_call(), INPUT),)
+    arguments = tuple(a for p in start_ports for a in arguments_of(graph, p))
+    diagnose.check_inputs(arguments)
+    ends = resolve_ends(graph, resolver, end)
+    output_trees = map_ports(lambda p: port_value_tree(graph, p), ends)
+    output_ids = tuple(s.id for s in _slots(output_trees) if s.id is not None)
+    input_ids = tuple(i for a in arguments for i in a.input_ids)
+    result = graph.cut(input_ids, output_ids)
+    if starts is not None:
+        diagnose.check_connected(graph, arguments, result, starts, ends)
+    return Plan(starts, ends, arguments, input_ids, output_trees, output_ids, result, (), (), ())
+
+
+def _plannable(graph: Graph, specs: list[Any], end: Any) -> bool:
+    """Whether a slice from `specs` to `end` can be made (a suggested fix works)."""
+    try:
+        return not _frame(graph, specs, end).cut.missing
+    except SliceError:
+        return False
+
+
+def _slots(output_trees: Any) -> list[Any]:
+    return [s for tree in flat_ports(output_trees) for s in jax.tree_util.tree_leaves(tree)]
+
+
+def _collections(paths: Any) -> tuple[str, ...]:
+    return tuple(sorted({str(key_name(p[0])) for p in paths}))
+
+
+def _wanted(own: list[tuple[tuple[Any, ...], int]], mutable: Any) -> list[Any]:
+    if not mutable:
+        return []
+    if mutable is True:
+        return own
+    wanted = {mutable} if isinstance(mutable, str) else set(mutable)
+    return [(p, v) for p, v in own if str(key_name(p[0])) in wanted]
+
+
+def _finish(graph: Graph, p: Plan) -> Plan:
+    """Adds state, effects and folded regions to the cut, then the variables it reads."""
+    outputs = p.output_ids + p.state_ids
+    result = graph.cut(p.input_ids, outputs) if p.state_ids else p.cut
+    has_effects = lambda i: _compat.has_effects(graph.eqns[i].jax_eqn)  # noqa: E731
+    result = analysis.effects_inside(graph.program, result, p.input_ids, graph.is_free, has_effects)
+    spans = [analysis.Span(r.start, r.stop, r.eqn.ins, r.eqn.outs) for r in graph.regions]
+    result, steps = analysis.fold(
+        graph.program,
+        graph.producer,
+        spans,
+        result,
+        p.input_ids,
+        graph.is_free,
+        outputs,
+        graph.consts.__contains__,
+    )
+    program = [graph.eqns[i] if kind == "eqn" else graph.regions[i].eqn for kind, i in steps]
+    used = result.used_free
+    pairs = [
+        (v, q) for v, q in zip(graph.variable_ids, graph.variable_paths, strict=True) if v in used
+    ]
+    return dataclasses.replace(
+        p,
+        cut=result,
+        program=tuple(program),
+        variable_ids=tuple(v for v, _ in pairs),
+        variable_paths=tuple(q for _, q in pairs),
+        rng_ids=tuple(v for v in graph.rng_ids if v in used),
+    )
+
+
+def slice_state(
+    graph: Graph,
+    result: analysis.Cut,
+    input_ids: Sequence[int],
+    whole: bool,
+    rules: StateRules | None,
+) -> list[tuple[tuple[Any, ...], int]]:
+    """The updated state entries that belong to the slice.
+
+    An entry belongs to the slice when the module that owns it (the longest module path
+    that prefixes the entry's path) has a call with equations in the slice, and its new
+    value can be computed from the slice's inputs. State of the top-level module itself
+    belongs only to a slice of the whole model (from its inputs to its output). State of
+    modules outside the slice is not returned, so merging it back leaves them untouched.
+    """
+    if rules is None:
+        return []
+    participating, modules = _participating_modules(graph, result)
+    computable = analysis.computable(graph.program, input_ids, graph.is_free)
+    variables = graph.variable_set
+    chosen = []
+    for path, vid in zip(graph.state_paths, graph.state_ids, strict=True):
+        owner = analysis.owner(rules.owner(path), modules)
+        belongs = whole if owner is None else owner in participating
+        unchanged = vid in variables
+        # Nothing to write back, or its final value comes from outside the slice:
+        skip = (unchanged and rules.includes_variables) or not (unchanged or vid in computable)
+        if belongs and not skip:
+            chosen.append((path, vid))
+    return chosen
+
+
+def _participating_modules(graph: Graph, result: analysis.Cut) -> tuple[set[Any], set[Any]]:
+    """Paths of the modules with a call that has equations in the cut, and of all modules."""
+    calls = [c for c in graph.calls if c.is_module and c.loop is None]
+    spans = [(c.start, c.stop) for c in calls]
+    taking_part = analysis.spans_with(spans, set(result.eqns), len(graph.eqns))
+    participating = {c.path for c, yes in zip(calls, taking_part, strict=True) if yes}
+    return participating, {c.path for c in calls}

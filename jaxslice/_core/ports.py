@@ -1,0 +1,225 @@
+"""Ports: the values a start or an end of a slice stands for.
+
+A port is one side (input or output) of a call. As an end, an output port yields the
+call's whole result pytree and an input port its array arguments. As a start, an output
+port is one argument of the slice (the module's whole result); an input port contributes
+each of the call's arguments that holds an array that is not a variable, positionally or
+by keyword as the call received it (`start=None` means the model's own inputs, the same
+way). A leaf of an argument that is a variable, a constant or a non-array is fixed by the
+trace and ignored when the slice is called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+
+from .._errors import InvalidSpecError
+from .graph import Call, Eqn, Graph, Slot
+from .markers import INPUT, OUTPUT
+from .names import Resolver
+
+
+@dataclasses.dataclass(frozen=True)
+class Port:
+    spec: str | None  # as the user wrote it; None for the model's inputs or outputs
+    call: Call
+    side: str
+
+    @property
+    def label(self) -> str:
+        if self.spec is None:
+            return "the model's inputs" if self.side == INPUT else "the model's output"
+        return repr(f"{self.call.qualname}:{self.side}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Argument:
+    """One argument of a slice call."""
+
+    port: Port
+    keyword: str | None  # set for keyword arguments
+    position: int | None  # position in the call's positional arguments
+    tree: Any  # treedef of the argument as traced
+    slot_ids: tuple[int | None, ...]  # per leaf: the value it feeds, or None if fixed
+
+    @property
+    def input_ids(self) -> list[int]:
+        return [i for i in self.slot_ids if i is not None]
+
+    def slot_tree(self) -> Any:
+        """The argument as a pytree of `Slot`s (``Slot(None)`` for fixed leaves)."""
+        return jax.tree_util.tree_unflatten(self.tree, [Slot(i) for i in self.slot_ids])
+
+    def describe(self) -> str:
+        if self.keyword is not None:
+            where = f"keyword {self.keyword!r}"
+        else:
+            where = f"argument {self.position}" if self.position is not None else "output"
+        return f"{self.port.label} {where}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationOf:
+    """An end at the activation applied to a module's output (used by coverage)."""
+
+    name: str
+
+
+def array_ids(slots: Iterable[Slot]) -> list[int]:
+    """The value ids of the slots that hold arrays (static leaves have none), in order."""
+    return [s.id for s in slots if s.id is not None]
+
+
+def single_output_id(call: Call) -> int | None:
+    """The value id of a call's output when that output is one array, else None."""
+    slots = call.out_slots
+    return slots[0].id if len(slots) == 1 else None
+
+
+def _fed_id(graph: Graph, slot: Slot) -> int | None:
+    """The value an argument leaf feeds, or None if the trace fixes it (static or free)."""
+    if slot.id is None or graph.is_free(slot.id):
+        return None
+    return slot.id
+
+
+def _argument(
+    graph: Graph, port: Port, value: Any, keyword: str | None = None, position: int | None = None
+) -> Argument:
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    ids = tuple(_fed_id(graph, s) for s in leaves)
+    return Argument(port, keyword, position, tree, ids)
+
+
+def arguments_of(graph: Graph, port: Port) -> list[Argument]:
+    """The slice arguments a start port contributes."""
+    if port.side == OUTPUT:
+        return [_argument(graph, port, port.call.port_tree(OUTPUT))]
+    args, kwargs = port.call.port_tree(INPUT)
+    found = [_argument(graph, port, a, position=i) for i, a in enumerate(args)]
+    found += [_argument(graph, port, a, keyword=k) for k, a in kwargs.items()]
+    # An input argument whose leaves are all fixed by the trace is not an argument.
+    return [a for a in found if a.input_ids]
+
+
+def port_value_tree(graph: Graph, port: Port) -> Any:
+    """The pytree (of Slots) that a port yields when it is an end."""
+    if port.side == OUTPUT:
+        return port.call.port_tree(OUTPUT)
+    trees = [a.slot_tree() for a in arguments_of(graph, port)]
+    return trees[0] if len(trees) == 1 else tuple(trees)
+
+
+def flat_ports(ends: Any) -> list[Any]:
+    """The items of an end specification (a single item, a tuple or a dict), in order."""
+    if isinstance(ends, tuple):
+        return list(ends)
+    if isinstance(ends, dict):
+        return list(ends.values())
+    return [ends]
+
+
+def map_ports(fn: Callable[[Any], Any], ends: Any) -> Any:
+    if isinstance(ends, tuple):
+        return tuple(fn(p) for p in ends)
+    if isinstance(ends, dict):
+        return {k: fn(p) for k, p in ends.items()}
+    return fn(ends)
+
+
+def resolve_starts(graph: Graph, resolver: Resolver, start: Any) -> tuple[Port, ...] | None:
+    """The ports of a `start` specification (None: the model's inputs)."""
+    if start is None:
+        return None
+    specs = [start] if isinstance(start, str) else start
+    if not isinstance(specs, (list, tuple)) or not specs:
+        raise InvalidSpecError(
+            f"`start` must be None (the model's inputs), a boundary name or a non-empty list of "
+            f"names, got {start!r}."
+        )
+    return tuple(_start_port(graph, resolver, spec) for spec in specs)
+
+
+def _start_port(graph: Graph, resolver: Resolver, spec: Any) -> Port:
+    if spec is None:
+        return Port(None, graph.model_input_call(), INPUT)
+    call, side = resolver.resolve(spec, INPUT)
+    return Port(spec, call, side)
+
+
+# What `end` may be: one end (a name, an activation or None) or a container of them.
+_END_TYPES = (str, ActivationOf, type(None), list, tuple, dict)
+
+
+def resolve_ends(graph: Graph, resolver: Resolver, end: Any) -> Any:
+    """A Port, a tuple of Ports or a dict of Ports, as `end` was given."""
+    _check_end(end)
+    ends = tuple(end) if isinstance(end, list) else end
+    return map_ports(functools.partial(_end_port, graph, resolver), ends)
+
+
+def _check_end(end: Any) -> None:
+    if not isinstance(end, _END_TYPES):
+        raise InvalidSpecError(
+            f"`end` must be a boundary name, a list of names, a dict of names or None, got {end!r}."
+        )
+    if isinstance(end, (list, tuple, dict)) and not end:
+        raise InvalidSpecError(
+            f"`end` (or `names`) is empty ({end!r}); name at least one boundary."
+        )
+
+
+def _end_port(graph: Graph, resolver: Resolver, spec: Any) -> Port:
+    if isinstance(spec, ActivationOf):
+        return _activation_port(graph, resolver, spec)
+    if spec is None:
+        out_call = dataclasses.replace(
+            graph.model_input_call(),
+            name="<output>",
+            out_tree=graph.out_tree,
+            out_slots=graph.out_slots,
+            stop=len(graph.eqns),
+        )
+        return Port(None, out_call, OUTPUT)
+    call, side = resolver.resolve(spec, OUTPUT)
+    return Port(spec, call, side)
+
+
+def _activation_port(graph: Graph, resolver: Resolver, spec: ActivationOf) -> Port:
+    call, _ = resolver.resolve(spec.name, OUTPUT)
+    vid = single_output_id(call)
+    if vid is None:
+        raise InvalidSpecError(
+            f"{spec.name!r} does not return a single array, so it has no activation."
+        )
+    act = activation_of(graph, vid)
+    synthetic = dataclasses.replace(
+        call, out_tree=jax.tree_util.tree_structure(0), out_slots=[Slot(act)]
+    )
+    return Port(spec.name, synthetic, OUTPUT)
+
+
+def activation_of(graph: Graph, vid: int) -> int:
+    """The value an activation function makes of `vid`, or `vid` if none follows.
+
+    The activation is the first equation that reads `vid` and nothing else computed
+    (constants aside) and writes one value of the same shape: ``relu``, ``tanh``, ...
+    """
+    later = graph.eqns[graph.producer.get(vid, -1) + 1 :]
+    reader = next((e for e in later if vid in e.ins), None)
+    if reader is not None and _is_activation(graph, reader, vid):
+        return reader.outs[0]
+    return vid
+
+
+def _is_activation(graph: Graph, eqn: Eqn, vid: int) -> bool:
+    """Whether `eqn` maps `vid` alone (free values aside) to one value of its shape and dtype."""
+    if len(eqn.outs) != 1 or not all(v == vid or graph.is_free(v) for v in eqn.ins):
+        return False
+    out, aval = graph.avals[eqn.outs[0]], graph.avals[vid]
+    return getattr(out, "shape", None) == aval.shape and getattr(out, "dtype", None) == aval.dtype

@@ -1,0 +1,566 @@
+"""The engine (stage 5): a planned slice as compiled entries, one per call signature.
+
+A `SliceProgram` keeps the trace and plan it was made from and one compiled entry per
+input signature (shapes, dtypes, mode, `mutable` and the structure of `rngs`), like
+`jax.jit`. A new signature re-traces the model at the new shapes (from
+`jax.ShapeDtypeStruct`s, no data), plans the same `start`/`end` again and compiles the
+new cut. With a `start`, only the batch size may change. Every view users hold — `Sliced`,
+the NNX slice module, `js.intermediates`, observers, interpreters, the editor — is a thin
+layer over this class's public methods.
+
+The program keeps only what it needs: the variables the slice reads (the original
+arrays, pruned) and the shapes of everything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import _compat
+from .._caches import LRU
+from .._errors import InputMismatchError, SliceError, VariablesMismatchError
+from .._trees import abstract, abstract_tree, is_traced_leaf, path_str, prune, tree_key
+from . import emit as emit_
+from .plan import Plan, StateRules, plan
+from .trace import Traced, stop_specs, trace, trace_split
+
+#: compiled entries kept per slice (input signatures, modes)
+MAX_ENTRIES = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildInfo:
+    """How a slice was built: time spent, program size, and whether tracing stopped early.
+
+    Attributes:
+      trace_seconds: tracing the model (`jax.make_jaxpr` with boundary markers).
+      analysis_seconds: building the graph and planning the slice.
+      equations: equations in the traced program (after inlining).
+      stopped_early: tracing ended once every end of the slice had been computed.
+    """
+
+    trace_seconds: float
+    analysis_seconds: float
+    equations: int
+    stopped_early: bool
+
+
+@dataclasses.dataclass
+class Entry:
+    """One compiled slice for one call signature."""
+
+    traced: Traced
+    plan: Plan
+    fn: Any  # the re-emitted function, not jitted
+    jitted: Any
+
+
+def make_entry(traced: Traced, start: Any, end: Any) -> Entry:
+    adapter = traced.adapter
+    rules = StateRules(adapter.state_owner, adapter.state_includes_variables)
+    p = plan(traced.graph, start, end, traced.split.mutable, rules)
+    ids = [p.variable_ids, p.rng_ids, p.input_ids]
+    fn = emit_.emit(traced.graph, p.program, ids, p.output_ids + p.state_ids)
+    return Entry(traced, p, fn, jax.jit(fn))
+
+
+def _avals(entry: Entry, ids: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
+    g = entry.traced.graph
+    return tuple(jax.ShapeDtypeStruct(g.avals[i].shape, g.avals[i].dtype) for i in ids)
+
+
+class SliceProgram:
+    """A sub-network between named boundaries of one model, compiled per signature."""
+
+    def __init__(self, traced: Traced, start: Any, end: Any):
+        began = time.perf_counter()
+        self.start, self.end = start, end
+        self.adapter, self.target = traced.adapter, traced.target
+        self.base = make_entry(traced, start, end)
+        self.build_info = BuildInfo(
+            traced.seconds - traced.build_seconds,
+            traced.build_seconds + time.perf_counter() - began,
+            len(traced.graph.eqns),
+            traced.graph.partial,
+        )
+        holds = self.adapter.live_variables(self.target) is not None
+        split = traced.split
+        paths = set(self.base.plan.variable_paths)
+        self.variables = None if holds else prune(split.variables, paths)
+        # Keep shapes, not the model's arrays: re-tracing needs nothing more.
+        if not holds:
+            traced.split = dataclasses.replace(split, variables=abstract_tree(split.variables))
+        self._entries = LRU(MAX_ENTRIES)
+        self._entries.put(self._key(self._traced_avals(self.base), split, split.mode), self.base)
+        self._index = LRU(MAX_ENTRIES)
+
+    @classmethod
+    def build(
+        cls,
+        target: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        start: Any = None,
+        end: Any = None,
+        *,
+        stop_early: bool = True,
+        adapter: Any = None,
+    ) -> SliceProgram:
+        """Traces `target` (stopping once `end` is computed, where possible) and plans."""
+        stop_at = stop_specs(start, end) if stop_early else None
+        return cls(trace(target, args, kwargs, stop_at, adapter), start, end)
+
+    # ------------------------------------------------------------------ running
+
+    def apply(
+        self,
+        variables: Any,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        rngs: Any = None,
+        mutable: Any = False,
+        strict: bool = True,
+    ) -> Any:
+        """Runs the slice with linen's conventions (see `js.Sliced.apply`)."""
+        if not self.adapter.has_collections and (rngs is not None or mutable):
+            raise SliceError(NO_COLLECTIONS)
+        entry, leaves = self.lookup(inputs, kwargs, rngs, mutable)
+        var_leaves = self.variable_leaves(entry, variables, strict)
+        return self.run(entry, var_leaves, self.rng_leaves(entry, rngs), leaves, mutable)
+
+    def apply_full(self, split: Any) -> tuple[Any, list[tuple[Any, Any]]]:
+        """Runs a slice that starts at the model's inputs from a split of the full call.
+
+        Variables are the model's full variables (or, for a model that holds them, read
+        from it now, and updated state is written back). Returns ``(values, state)``.
+        """
+        kwargs = {**split.kwargs, **split.mode}
+        entry, leaves = self.lookup(split.args, kwargs, split.rngs, split.mutable)
+        live = self.adapter.live_variables(self.target)
+        if live is None:
+            var_leaves = self.variable_leaves(entry, split.variables, strict=False)
+        else:
+            var_leaves = [live[p] for p in entry.plan.variable_paths]
+            check_leaves(
+                entry.plan.variable_paths, var_leaves, _avals(entry, entry.plan.variable_ids)
+            )
+        rng_leaves = self.rng_leaves(entry, split.rngs)
+        out = self.run(entry, var_leaves, rng_leaves, leaves, split.mutable)
+        values, state = out if split.mutable else (out, [])
+        if live is not None:
+            self.adapter.write_back(self.target, state)
+        return values, state
+
+    def run(
+        self,
+        entry: Entry,
+        var_leaves: list[Any],
+        rng_leaves: list[Any],
+        leaves: list[Any],
+        mutable: Any,
+    ) -> Any:
+        """Runs a compiled entry; with `mutable`, returns ``(outputs, updated_state)``."""
+        check_mutable(entry.plan, mutable, self.adapter.has_collections)
+        outs = entry.jitted(var_leaves, rng_leaves, leaves)
+        n = len(entry.plan.output_ids)
+        result = emit_.assemble(entry.plan.output_trees, outs[:n])
+        if not mutable:
+            return result
+        return result, list(zip(entry.plan.state_paths, outs[n:], strict=True))
+
+    def lookup(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], rngs: Any, mutable: Any
+    ) -> tuple[Entry, list[Any]]:
+        """The compiled entry for these arguments (tracing it if new), and the input leaves."""
+        keywords = {a.keyword for a in self.base.plan.arguments if a.keyword is not None}
+        kw_inputs = {k: v for k, v in kwargs.items() if k in keywords}
+        new_mode = {k: v for k, v in kwargs.items() if k not in keywords}
+        self._check_mode(new_mode)
+        split = self.base.traced.split
+        call = dataclasses.replace(
+            split, mode={**split.mode, **new_mode}, rngs=rngs, mutable=mutable
+        )
+        leaves = self._input_leaves(inputs, kw_inputs)
+        avals = tuple(abstract(x) for x in leaves)
+        key = self._key(avals, call, call.mode)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._retrace(avals, inputs, kw_inputs, call)
+            self._entries.put(key, entry)
+        return entry, leaves
+
+    def _key(self, avals: tuple[Any, ...], split: Any, mode: Mapping[str, Any]) -> Any:
+        return (
+            tuple((tuple(a.shape), str(a.dtype)) for a in avals),
+            tree_key(split.rngs),
+            tree_key(dict(mode)),
+            tree_key(split.mutable),
+            _hashable(self.adapter.structure_key(self.target)),
+        )
+
+    # ------------------------------------------------------------------ inputs
+
+    def _check_mode(self, mode: Mapping[str, Any]) -> None:
+        if not mode:
+            return
+        accepted = self.adapter.accepted_keywords(self.target)
+        unknown = [k for k in mode if accepted is not None and k not in accepted]
+        if unknown:
+            raise SliceError(
+                UNKNOWN_KEYWORDS.format(unknown=unknown, accepted=sorted(accepted or ()))
+            )
+
+    def _input_leaves(self, inputs: tuple[Any, ...], kw_inputs: dict[str, Any]) -> list[Any]:
+        arguments = self.base.plan.arguments
+        positional = [a for a in arguments if a.keyword is None]
+        if len(inputs) != len(positional):
+            described = ", ".join(a.describe() for a in positional) or "none"
+            raise InputMismatchError(
+                f"This slice takes {len(positional)} positional input(s) ({described}), "
+                f"got {len(inputs)}."
+            )
+        given = iter(inputs)
+        leaves: list[Any] = []
+        for arg in arguments:
+            if arg.keyword is not None and arg.keyword not in kw_inputs:
+                raise InputMismatchError(
+                    f"Missing keyword input {arg.keyword!r} ({arg.describe()})."
+                )
+            value = kw_inputs[arg.keyword] if arg.keyword is not None else next(given)
+            leaves += _argument_leaves(arg, value)
+        return leaves
+
+    def _traced_avals(self, entry: Entry) -> tuple[jax.ShapeDtypeStruct, ...]:
+        return _avals(entry, entry.plan.input_ids)
+
+    def _retrace(
+        self, avals: tuple[Any, ...], inputs: tuple[Any, ...], kw_inputs: dict[str, Any], call: Any
+    ) -> Entry:
+        base = self.base
+        split = self.adapter.resplit(self.target, base.traced.split)
+        split = dataclasses.replace(
+            split,
+            mode=call.mode,
+            rngs=abstract_tree(call.rngs),
+            mutable=call.mutable,
+            **self._new_inputs(split, avals, inputs, kw_inputs),
+        )
+        traced = trace_split(self.adapter, self.target, split, stop_specs(self.start, self.end))
+        entry = make_entry(traced, self.start, self.end)
+        if base.plan.starts is not None and _shapes(self._traced_avals(entry)) != _shapes(avals):
+            raise InputMismatchError(_mismatch_message(self._traced_avals(base), avals))
+        return entry
+
+    def _new_inputs(
+        self, split: Any, avals: tuple[Any, ...], inputs: tuple[Any, ...], kw_inputs: dict
+    ) -> dict[str, Any]:
+        """The model's inputs for a re-trace at the shapes of `avals`."""
+        if self.base.plan.starts is None:
+            return _model_inputs(self.base.plan, split, inputs, kw_inputs)
+        batch = _new_batch_size(self._traced_avals(self.base), avals)
+        if batch is None:
+            return {}
+        resize = lambda x: _with_batch(x, batch)  # noqa: E731
+        return {
+            "args": jax.tree_util.tree_map(resize, split.args),
+            "kwargs": jax.tree_util.tree_map(resize, split.kwargs),
+        }
+
+    # ------------------------------------------------------------------ variables
+
+    def variable_leaves(self, entry: Entry, variables: Any, strict: bool = True) -> list[Any]:
+        """The leaves of `variables` the entry reads, checked against the traced shapes."""
+        leaves, treedef = jax.tree_util.tree_flatten(variables)
+        key = (treedef, entry.plan.variable_paths, strict)
+        index = self._index.get(key)
+        if index is None:
+            index = self._index_variables(entry, variables, strict)
+            self._index.put(key, index)
+        picked = [leaves[i] for i in index]
+        check_leaves(entry.plan.variable_paths, picked, _avals(entry, entry.plan.variable_ids))
+        return picked
+
+    def _index_variables(self, entry: Entry, variables: Any, strict: bool) -> list[int]:
+        flat = jax.tree_util.tree_flatten_with_path(variables)[0]
+        position = {p: i for i, (p, x) in enumerate(flat) if is_traced_leaf(x)}
+        missing = [p for p in entry.plan.variable_paths if p not in position]
+        extra = [p for p in position if p not in self._own_paths()] if strict else []
+        if missing or extra:
+            lacks = any(p not in self._own_paths() for p in missing)
+            why = _call_differs(self.base.traced.split, entry.traced.split) if lacks else ""
+            raise VariablesMismatchError(_structure_message(missing, extra, why))
+        return [position[p] for p in entry.plan.variable_paths]
+
+    def _own_paths(self) -> set[Any]:
+        return {p for p, _ in jax.tree_util.tree_flatten_with_path(self.variables)[0]}
+
+    def rng_leaves(self, entry: Entry, rngs: Any) -> list[Any]:
+        if not entry.plan.rng_ids:
+            return []
+        leaves = [x for x in jax.tree_util.tree_leaves(rngs) if is_traced_leaf(x)]
+        position = {v: i for i, v in enumerate(entry.traced.graph.rng_ids)}
+        return [leaves[position[v]] for v in entry.plan.rng_ids]
+
+    def extract(self, full_variables: Any) -> Any:
+        """The slice's part of a model's full variables (the inverse of `merge`)."""
+        plan_ = self.base.plan
+        flat = dict(jax.tree_util.tree_flatten_with_path(full_variables)[0])
+        missing = [p for p in plan_.variable_paths if p not in flat]
+        if missing:
+            raise VariablesMismatchError(
+                "These variables lack entries the slice reads: "
+                + ", ".join(path_str(p) for p in missing[:8])
+                + "."
+            )
+        picked = [flat[p] for p in plan_.variable_paths]
+        check_leaves(plan_.variable_paths, picked, _avals(self.base, plan_.variable_ids))
+        return prune(full_variables, set(plan_.variable_paths))
+
+    def merge(self, full_variables: Any, new_variables: Any) -> Any:
+        """The model's variables with the slice's entries replaced by `new_variables`."""
+        updates = dict(jax.tree_util.tree_flatten_with_path(new_variables)[0])
+        flat, treedef = jax.tree_util.tree_flatten_with_path(full_variables)
+        known = dict(flat)
+        unknown = [p for p in updates if p not in known]
+        if unknown:
+            raise VariablesMismatchError(MERGE_UNKNOWN.format(paths=_paths(unknown)))
+        paths = [p for p in updates if is_traced_leaf(known[p]) or is_traced_leaf(updates[p])]
+        check_leaves(paths, [updates[p] for p in paths], [abstract(known[p]) for p in paths])
+        return jax.tree_util.tree_unflatten(treedef, [updates.get(p, x) for p, x in flat])
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def jaxpr(self) -> Any:
+        """The re-emitted program (a closed jaxpr) for the shapes it was sliced with."""
+        e = self.base
+        p = e.plan
+        groups = [_avals(e, p.variable_ids), _avals(e, p.rng_ids), _avals(e, p.input_ids)]
+        return _compat.make_jaxpr(e.fn, *groups)[0]
+
+    def summary(self) -> str:
+        return summary(self)
+
+    def shared_paths(self) -> list[tuple[Any, ...]]:
+        """Variable paths the slice reads that the model also reads outside the slice."""
+        cached = self.__dict__.get("_shared")
+        if cached is None:
+            entry = self.full_entry()
+            graph, inside = entry.traced.graph, set(entry.plan.cut.eqns)
+            read_outside = {v for i, e in enumerate(graph.eqns) if i not in inside for v in e.ins}
+            mine = dict(zip(entry.plan.variable_ids, entry.plan.variable_paths, strict=True))
+            cached = [p for v, p in mine.items() if v in read_outside]
+            self.__dict__["_shared"] = cached
+        return cached
+
+    def full_entry(self) -> Entry:
+        """An entry whose trace covers the whole model (for drawing it)."""
+        if not self.base.traced.graph.partial:
+            return self.base
+        traced = self.base.traced
+        full = self.__dict__.get("_full")
+        if full is None:
+            full = make_entry(
+                trace_split(self.adapter, self.target, traced.split), self.start, self.end
+            )
+            self.__dict__["_full"] = full
+        return full
+
+
+# --------------------------------------------------------------------------- helpers
+
+NO_COLLECTIONS = (
+    "A plain function takes random keys and state as ordinary inputs; `rngs` and "
+    "`mutable` apply to Flax models only."
+)
+UNKNOWN_KEYWORDS = (
+    "The model does not accept the keyword argument(s) {unknown}; it accepts {accepted}. "
+    "Mode keywords such as `train=True` are passed to the model."
+)
+MERGE_UNKNOWN = (
+    "Cannot merge: the model's variables have no entry at {paths}.\n"
+    "Pass the model's full variables first and the slice's variables second: "
+    "`sub.merge(variables, new_sub_variables)`."
+)
+LEAF_MISMATCH = (
+    "The variable {path} is {got}, but the slice was traced with {want}. Pass variables "
+    "of the model the slice was made from (its `sub.variables`, or the result of training "
+    "them); to use other shapes, slice the model again with them."
+)
+UNASKED_UPDATES = (
+    "In this mode the slice updates {names}; pass mutable={names} to get the updates "
+    "(as `(outputs, updates)`), as linen's `apply` requires."
+)
+NO_STATE = (
+    "mutable={wanted}, but the slice has no state there (it has {have}). Pass "
+    "mutable=False, or collections the slice's modules use (e.g. ['batch_stats'])."
+)
+
+
+def check_leaves(paths: Any, leaves: list[Any], avals: Any) -> None:
+    """Each leaf has the shape and dtype of the variable traced at its path."""
+    for path, leaf, aval in zip(paths, leaves, avals, strict=True):
+        shape, dtype = jnp.shape(leaf), getattr(leaf, "dtype", None)
+        if tuple(shape) != tuple(aval.shape) or dtype is None or jnp.dtype(dtype) != aval.dtype:
+            got = f"{jnp.result_type(leaf) if dtype is None else dtype}{list(shape)}"
+            want = f"{aval.dtype}{list(aval.shape)}"
+            raise VariablesMismatchError(
+                LEAF_MISMATCH.format(path=path_str(path), got=got, want=want)
+            )
+
+
+def check_mutable(plan_: Plan, mutable: Any, has_collections: bool) -> None:
+    """linen's rules: updated state must be asked for, and what is asked for must exist."""
+    if not has_collections:
+        return
+    if not mutable and plan_.updated_collections:
+        raise SliceError(UNASKED_UPDATES.format(names=list(plan_.updated_collections)))
+    if mutable and not plan_.state_paths:
+        wanted = "any collection" if mutable is True else repr(mutable)
+        raise SliceError(NO_STATE.format(wanted=wanted, have=list(plan_.state_collections)))
+
+
+def _argument_leaves(arg: Any, value: Any) -> list[Any]:
+    flat, tree = jax.tree_util.tree_flatten(value)
+    if tree != arg.tree:
+        raise InputMismatchError(
+            f"Input {arg.describe()} has structure {tree}, but the slice was traced with "
+            f"{arg.tree}. Pass a value of the same pytree structure."
+        )
+    leaves = []
+    for leaf, vid in zip(flat, arg.slot_ids, strict=True):
+        if vid is not None:
+            leaves.append(_as_array(arg, leaf))
+    return leaves
+
+
+def _as_array(arg: Any, leaf: Any) -> Any:
+    if is_traced_leaf(leaf) and not isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    try:
+        return jnp.asarray(leaf)
+    except (TypeError, ValueError) as error:
+        raise InputMismatchError(
+            f"Input {arg.describe()} got {type(leaf).__name__} {leaf!r}, which is not an "
+            "array; pass a JAX or NumPy array (a `jax.ShapeDtypeStruct` is for tracing "
+            "with `jax.eval_shape` or `jax.export`, not for calling a slice)."
+        ) from error
+
+
+def _model_inputs(plan_: Plan, split: Any, inputs: tuple[Any, ...], kw_inputs: dict) -> dict:
+    args, kwargs = list(split.args), dict(split.kwargs)
+    given = iter(inputs)
+    for arg in plan_.arguments:
+        value = abstract_tree(kw_inputs[arg.keyword] if arg.keyword is not None else next(given))
+        if arg.keyword is not None:
+            kwargs[arg.keyword] = value
+        else:
+            args[arg.position] = value
+    return {"args": tuple(args), "kwargs": kwargs}
+
+
+def _with_batch(x: Any, batch: Any) -> Any:
+    if is_traced_leaf(x) and jnp.ndim(x) >= 1:
+        return jax.ShapeDtypeStruct((batch, *jnp.shape(x)[1:]), x.dtype)
+    return x
+
+
+def _same_dim(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # symbolic dimensions (jax.export) that cannot be compared
+        return a is b
+
+
+def _new_batch_size(expected: tuple[Any, ...], got: tuple[Any, ...]) -> Any:
+    """The new leading dimension of `got`, None if unchanged; other changes raise."""
+    batch = None
+    for e, g in zip(expected, got, strict=True):
+        same_rest = len(e.shape) == len(g.shape) and all(
+            _same_dim(a, b) for a, b in zip(e.shape[1:], g.shape[1:], strict=True)
+        )
+        if str(e.dtype) != str(g.dtype) or not same_rest:
+            raise InputMismatchError(_mismatch_message(expected, got))
+        if e.shape and not _same_dim(e.shape[0], g.shape[0]):
+            if batch is not None and not _same_dim(batch, g.shape[0]):
+                raise InputMismatchError(_mismatch_message(expected, got))
+            batch = g.shape[0]
+    return batch
+
+
+def _shapes(avals: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple((tuple(str(d) for d in a.shape), str(a.dtype)) for a in avals)
+
+
+def _mismatch_message(expected: tuple[Any, ...], got: tuple[Any, ...]) -> str:
+    fmt = lambda avals: ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)  # noqa: E731
+    return (
+        f"The slice's inputs were traced as ({fmt(expected)}) but got ({fmt(got)}).\n"
+        "A slice with a `start` accepts a new batch size (the leading axis) but not other "
+        "changes of shape or dtype. For other shapes, slice again with sample inputs of that "
+        "shape, or use start=None."
+    )
+
+
+def _call_differs(base: Any, now: Any) -> str:
+    """What differs between the call a slice was made for and this one (for messages)."""
+    what = []
+    if base.mode != now.mode:
+        what.append(f"mode {now.mode} where the slice was made with {base.mode}")
+    if tree_key(base.mutable) != tree_key(now.mutable):
+        what.append(f"mutable={now.mutable!r} where the slice was made with {base.mutable!r}")
+    differs = " and ".join(what) or "a call that differs from the one the slice was made for"
+    return (
+        f"(this call has {differs}, and reads variables that `sub.variables` lacks; slice "
+        "again with the mode and `mutable` you call it with)"
+    )
+
+
+def _structure_message(missing: list[Any], extra: list[Any], why: str) -> str:
+    lines = []
+    if missing:
+        lines.append("missing: " + _paths(missing))
+        if why:
+            lines.append(why)
+    if extra:
+        lines.append("not used by the slice: " + _paths(extra))
+    return (
+        "The variables passed do not match the slice's variables (" + "; ".join(lines) + ").\n"
+        "Pass `sub.variables`, or variables of the same structure (for example the result "
+        "of training them)."
+    )
+
+
+def _paths(paths: list[Any]) -> str:
+    return ", ".join(path_str(p) for p in paths[:8])
+
+
+def _hashable(x: Any) -> Any:
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return repr(x)
+
+
+_compat.register_frames_exclusion(__file__)
+
+
+def summary(program: SliceProgram) -> str:
+    """A one-line description of a slice (for ``repr``)."""
+    p = program.base.plan
+    sizes = [getattr(x, "size", 0) for x in jax.tree_util.tree_leaves(program.variables)]
+    text = (
+        f"start={program.start!r}, end={program.end!r}, equations={len(p.cut.eqns)}, "
+        f"variables={len(p.variable_ids)} arrays/{sum(int(s) for s in sizes)} values"
+    )
+    shared = program.shared_paths()
+    if shared:
+        text += f", shared with the rest of the model: {_paths(shared)}"
+    return text

@@ -1,0 +1,242 @@
+"""Tracing a target into a `Graph` (stages 1 and 2 of the pipeline, driven here).
+
+A target and its call arguments are split by its adapter into variables, random keys,
+inputs and mode. The program traced is ``f(variable_leaves, rng_leaves, input_leaves)``:
+array leaves become jaxpr invars (in that order) and every other leaf (Python scalars,
+strings, flags) is fixed by the trace, like a static argument of `jax.jit`. Leaves may be
+`jax.ShapeDtypeStruct`s, so a model can be re-traced at new shapes without data.
+
+A trace may stop early, once every end of a slice has returned (`markers.StopRule`),
+when the adapter allows it. Any exception the model raises while traced becomes a
+`ModelTraceError` naming the boundary that was running, with the model's error chained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from .. import _compat
+from .._caches import LRU
+from .._errors import ModelTraceError, SliceError
+from .._trees import is_traced_leaf, shape_key, tree_key
+from ..adapters import Adapter, Split, adapter_for
+from . import markers
+from .build import Signature, build
+from .graph import Graph
+from .names import parse
+
+
+@dataclasses.dataclass
+class Traced:
+    """A traced target: its graph and the split it was traced with."""
+
+    graph: Graph
+    adapter: Adapter
+    target: Any
+    split: Split
+    param_counts: dict[str, int]
+    seconds: float = 0.0  # time spent tracing, graph building included
+    build_seconds: float = 0.0  # of which building the graph (for `Sliced.build_info`)
+
+
+def trace(
+    target: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    stop_at: Any = None,
+    adapter: Adapter | None = None,
+) -> Traced:
+    """Traces ``target(*args, **kwargs)`` as its adapter (found from the target) says."""
+    adapter = adapter or adapter_for(target)
+    split = adapter.split(target, args, kwargs)
+    return trace_split(adapter, target, split, stop_at)
+
+
+def stop_specs(start: Any, end: Any) -> list[Any] | None:
+    """The names a trace must reach for a slice from `start` to `end` (None: everything)."""
+    ends = [end] if isinstance(end, str) else list(end.values()) if isinstance(end, dict) else end
+    starts = [] if start is None else [start] if isinstance(start, str) else start
+    if end is None or not isinstance(ends, (list, tuple)) or not isinstance(starts, (list, tuple)):
+        return None
+    return [s for s in starts if s is not None] + list(ends)
+
+
+# Call counts per boundary name of models already traced in full, so that a later trace
+# can stop early without hiding a repeated call (a bare name must stay ambiguous).
+_CALL_COUNTS = LRU(maxsize=64)
+
+
+def _counts_key(adapter: Adapter, target: Any, split: Split) -> Any:
+    structure = adapter.structure_key(target)
+    variables = tuple(
+        (path, shape_key(x)) for path, x in adapter.flatten_variables(split.variables)[0]
+    )
+    key = (
+        type(adapter),
+        target if structure is None else structure,
+        variables,
+        tree_key((split.args, split.kwargs)),
+        tree_key(split.mode),
+        tree_key(split.mutable),
+    )
+    try:
+        hash(key)
+    except TypeError:  # unhashable targets or arguments: no early stopping for them
+        return None
+    return key
+
+
+def _remember_counts(key: Any, graph: Graph) -> None:
+    if key is None or graph.partial:
+        return
+    counts: dict[str, int] = {}
+    for call in graph.calls:
+        counts[call.name] = counts.get(call.name, 0) + 1
+    _CALL_COUNTS.put(key, counts)
+
+
+def stop_rule(
+    adapter: Adapter, target: Any, split: Split, ends: list[Any] | None
+) -> markers.StopRule | None:
+    """How to end a trace early once these boundaries (`stop_specs`) ran, or None.
+
+    Only named ends qualify, and only where the adapter allows it (module names known at
+    call time, no state that is returned only at the end). A name with a call index
+    (``name@k``) stops after that call. A bare name stops after its call only if the
+    same model, traced in full before with these variables, inputs and mode, called that
+    module exactly once; otherwise the whole model is traced, so a repeated call is still
+    reported as ambiguous.
+    """
+    if ends is None or not adapter.can_stop_early(split):
+        return None
+    if not all(isinstance(spec, str) for spec in ends):
+        return None
+    parsed = [parse(spec) for spec in ends]
+    known = _CALL_COUNTS.get(_counts_key(adapter, target, split), {})
+    if any(index is None and known.get(base) != 1 for base, index, _ in parsed):
+        return None
+    needs: dict[str, int] = {}
+    for base, index, _ in parsed:
+        needs[base] = max(needs.get(base, 0), (index or 0) + 1)
+    return markers.StopRule(needs)
+
+
+@dataclasses.dataclass
+class _Leaves:
+    """A pytree split into traced leaves (arrays) and fixed ones."""
+
+    treedef: Any
+    mask: list[bool]
+    statics: list[Any]
+    arrays: list[Any]
+
+    @classmethod
+    def of(cls, leaves: Sequence[Any], treedef: Any = None) -> _Leaves:
+        mask = [is_traced_leaf(x) for x in leaves]
+        statics = [x for x, m in zip(leaves, mask, strict=True) if not m]
+        return cls(treedef, mask, statics, [x for x, m in zip(leaves, mask, strict=True) if m])
+
+    def merge(self, arrays: Sequence[Any]) -> list[Any]:
+        a, s = iter(arrays), iter(self.statics)
+        return [next(a) if m else next(s) for m in self.mask]
+
+    def rebuild(self, arrays: Sequence[Any]) -> Any:
+        return jax.tree_util.tree_unflatten(self.treedef, self.merge(arrays))
+
+
+def trace_split(adapter: Adapter, target: Any, split: Split, stop_at: Any = None) -> Traced:
+    """Traces a target from an existing split (new shapes, a new mode, ...)."""
+    began = time.perf_counter()
+    try:
+        graph = _trace_once(adapter, target, split, split.mutable, stop_at)
+    except ModelTraceError as error:
+        wider = adapter.wider_mutable(split, error.__cause__)
+        if wider is None:
+            raise
+        graph = _trace_once(adapter, target, split, wider, stop_at)
+    _remember_counts(_counts_key(adapter, target, split), graph)
+    counts = adapter.parameter_counts(split.variables)
+    seconds = time.perf_counter() - began
+    return Traced(graph, adapter, target, split, counts, seconds, graph.build_seconds)
+
+
+def _trace_once(adapter: Adapter, target: Any, split: Split, mutable: Any, stop_at: Any) -> Graph:
+    var_flat, rebuild_variables = adapter.flatten_variables(split.variables)
+    variables = _Leaves.of([x for _, x in var_flat])
+    var_paths = [p for (p, _), m in zip(var_flat, variables.mask, strict=True) if m]
+    rngs = _Leaves.of(*jax.tree_util.tree_flatten(split.rngs))
+    inputs = _Leaves.of(*jax.tree_util.tree_flatten((split.args, split.kwargs)))
+    info: dict[str, Any] = {"partial": False, "failed": []}
+
+    def program(var_a: list[Any], rng_a: list[Any], in_a: list[Any]) -> Any:
+        call_args, call_kwargs = inputs.rebuild(in_a)
+        rule = stop_rule(adapter, target, split, stop_at)
+        try:
+            with markers.marking(rule) as info["failed"]:
+                out, state = adapter.call(
+                    target,
+                    rebuild_variables(variables.merge(var_a)),
+                    rngs.rebuild(rng_a),
+                    call_args,
+                    {**call_kwargs, **split.mode},
+                    mutable,
+                )
+        except markers.StopTracing as stop:
+            info["partial"] = True
+            out, state = (), stop.state
+        return _outputs(adapter, out, state, info)
+
+    try:
+        closed, _ = _compat.make_jaxpr(program, variables.arrays, rngs.arrays, inputs.arrays)
+    except SliceError:
+        raise
+    except Exception as error:
+        raise _model_error(adapter, split, error, info["failed"]) from error
+    signature = Signature(
+        variable_paths=var_paths,
+        num_rngs=len(rngs.arrays),
+        input_tree=inputs.treedef,
+        input_is_array=inputs.mask,
+        input_statics=inputs.statics,
+        out_tree=info["tree"],
+        out_statics=info["statics"],
+        state_paths=info["state_paths"],
+    )
+    began = time.perf_counter()
+    graph = build(closed, signature, name_scopes=adapter.name_scopes)
+    graph.partial = info["partial"]
+    graph.build_seconds = time.perf_counter() - began
+    return graph
+
+
+def _outputs(adapter: Adapter, out: Any, state: Any, info: dict[str, Any]) -> Any:
+    """The program's results (output arrays, state arrays); the rest goes into `info`."""
+    leaves, info["tree"] = jax.tree_util.tree_flatten(out)
+    mask = [is_traced_leaf(x) for x in leaves]
+    info["statics"] = {i: x for i, (x, m) in enumerate(zip(leaves, mask, strict=True)) if not m}
+    state_flat = [(p, x) for p, x in adapter.flatten_state(state) if is_traced_leaf(x)]
+    info["state_paths"] = [p for p, _ in state_flat]
+    return [x for x, m in zip(leaves, mask, strict=True) if m], [x for _, x in state_flat]
+
+
+def _model_error(
+    adapter: Adapter, split: Split, error: Exception, failed: list[str]
+) -> ModelTraceError:
+    mode = f" (mode {split.mode}, mutable={split.mutable!r})" if split.mode or split.mutable else ""
+    where = f" in the call of {failed[0]!r}" if failed else ""
+    return ModelTraceError(
+        ModelTraceError.TEMPLATE.format(
+            mode=mode,
+            where=where,
+            error=f"{type(error).__name__}: {error}",
+            hint=adapter.error_hint(error),
+        )
+    )
+
+
+_compat.register_frames_exclusion(__file__)

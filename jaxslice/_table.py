@@ -1,0 +1,145 @@
+"""The boundary table: one `Boundary` row per module call of a traced model.
+
+`describe` reads a traced model's graph: each call's array inputs and outputs (none for
+calls inside loops, which cannot be sliced at) and the parameters it holds (by module
+path for modules, by the parameter values its equations read otherwise). `format_rows`
+lays rows of cells out as aligned columns; coverage results print with it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from ._core.graph import Call, Graph
+from ._core.markers import INPUT
+from ._core.ports import Port, arguments_of, array_ids
+from ._trees import describe_aval
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """One module call that a slice can start or end at.
+
+    Attributes:
+      name: the name to use in `start`/`end` (``path``, ``path.method``, ``path@k``).
+      module_type: the module's class (or the marked function's name).
+      call_index: which call of that module this is, from 0.
+      num_calls: how many times the module is called.
+      inputs: shapes and dtypes of the call's array arguments (parameters excluded).
+      outputs: shapes and dtypes of its output leaves.
+      param_count: number of parameter values the module (with its submodules) holds.
+      loop: the loop or conditional primitive the call is inside, or None.
+    """
+
+    name: str
+    module_type: str
+    call_index: int
+    num_calls: int
+    inputs: tuple[jax.ShapeDtypeStruct, ...]
+    outputs: tuple[jax.ShapeDtypeStruct, ...]
+    param_count: int
+    loop: str | None = None
+
+
+class BoundaryTable(list):
+    """A list of `Boundary` that prints as a table."""
+
+    def __str__(self) -> str:
+        header = ("name", "type", "call", "inputs", "outputs", "params")
+        return format_rows([header, *(_cells(b) for b in self)])
+
+    def names(self) -> list[str]:
+        return [b.name for b in self]
+
+
+def format_rows(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of cells as left-aligned columns, with a rule under the first (header) row.
+
+    >>> print(format_rows([("a", "bb"), ("ccc", "d")]))
+    a    bb
+    ---  --
+    ccc  d
+    """
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
+    rule = ["-" * w for w in widths]
+    return "\n".join(_aligned(row, widths) for row in [rows[0], rule, *rows[1:]])
+
+
+def _aligned(row: Sequence[str], widths: list[int]) -> str:
+    return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+
+
+def _cells(b: Boundary) -> tuple[str, ...]:
+    """One table row."""
+    name = f"{b.name}  [in {b.loop}]" if b.loop else b.name
+    counts = f"{b.call_index}/{b.num_calls}"
+    return (name, b.module_type, counts, _fmt(b.inputs), _fmt(b.outputs), f"{b.param_count:,}")
+
+
+def _fmt(avals: tuple[jax.ShapeDtypeStruct, ...]) -> str:
+    if not avals:
+        return "-"
+    return ", ".join(describe_aval(a) for a in avals)
+
+
+def _avals(graph: Graph, ids: list[int]) -> tuple[jax.ShapeDtypeStruct, ...]:
+    return tuple(jax.ShapeDtypeStruct(graph.avals[i].shape, graph.avals[i].dtype) for i in ids)
+
+
+def describe(traced: Any) -> BoundaryTable:
+    """The boundary table of a traced model: one row per call, in call order."""
+    return BoundaryTable(_describe_call(traced, call) for call in traced.graph.calls)
+
+
+def _describe_call(traced: Any, call: Call) -> Boundary:
+    inputs, outputs = _port_avals(traced.graph, call)
+    if call.is_module:
+        params = traced.param_counts.get("/".join(call.path), 0)
+    else:
+        params = _span_params(traced, call)
+    return Boundary(
+        name=call.qualname,
+        module_type=call.module_type,
+        call_index=call.index,
+        num_calls=call.count,
+        inputs=inputs,
+        outputs=outputs,
+        param_count=params,
+        loop=call.loop,
+    )
+
+
+def _port_avals(graph: Graph, call: Call) -> tuple[tuple[jax.ShapeDtypeStruct, ...], ...]:
+    """The avals of a call's array inputs and outputs (none for a call inside a loop)."""
+    if call.loop is not None:
+        return (), ()
+    arguments = arguments_of(graph, Port(call.name, call, INPUT))
+    in_ids = [i for a in arguments for i in a.input_ids]
+    return _avals(graph, in_ids), _avals(graph, array_ids(call.out_slots))
+
+
+def _is_parameter(path: tuple[Any, ...], linen_style: bool) -> bool:
+    if not linen_style:
+        return True
+    first = path[0] if path else None
+    return getattr(first, "key", first) == "params"
+
+
+def _span_params(traced: Any, call: Call) -> int:
+    """How many parameter values the equations of a call's span read."""
+    graph = traced.graph
+    params = _parameter_ids(graph, traced.split.variables)
+    used = {v for e in graph.eqns[call.start : call.stop] for v in e.ins if v in params}
+    return sum(int(getattr(graph.avals[v], "size", 0)) for v in used)
+
+
+def _parameter_ids(graph: Graph, variables: Any) -> set[int]:
+    """The variables that are parameters: all of them, or with linen-style variables only
+    those of the ``"params"`` collection."""
+    linen_style = isinstance(variables, Mapping) and "params" in variables
+    paths = zip(graph.variable_ids, graph.variable_paths, strict=True)
+    return {v for v, path in paths if _is_parameter(path, linen_style)}

@@ -1,0 +1,198 @@
+"""Compiled observation of chosen layers over streams of batches.
+
+An `Observer` turns a model and a list of layers into one jit-compiled step per input
+shape: it runs the slice from the model's inputs to those layers (nothing past the last
+one), reduces each layer's output to neuron values and hands them to an accumulator
+function, which returns the new accumulator state. Coverage tracking and activation
+statistics are both built on it.
+
+Batches are the model's inputs (an array, or a tuple of them); their non-batch shapes and
+dtypes must be those of the sample inputs. Variables are taken when the observer is made
+(for NNX models, read from the model at each batch; its state is not written back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import _compat
+from .._table import describe
+from .._core.names import Resolver
+from .._core.ports import ActivationOf, single_output_id
+from .._core.program import SliceProgram, check_leaves
+from .._core.trace import Traced, trace
+from .._errors import InputMismatchError, InvalidSpecError
+from .._trees import abstract, is_traced_leaf
+
+GRANULARITIES = ("channel", "element")
+POSITIONS = ("output", "activation")
+
+# The slice end that observes a layer, by position.
+_END_AT = {"output": str, "activation": ActivationOf}
+
+
+def default_layers(traced: Traced) -> list[str]:
+    """Calls of modules that hold parameters themselves (for plain functions, whose
+    parameters have no owner, calls with parameters and no such call nested in them),
+    whose output is a single array."""
+    graph = traced.graph
+    rows = zip(graph.calls, describe(traced), strict=True)
+    calls = [c for c, b in rows if c.loop is None and b.param_count > 0]
+    own = traced.adapter.own_parameter_modules(traced.split.variables)
+    return [c.qualname for c in _owning(calls, own) if _single_array(graph, c)]
+
+
+def _owning(calls: list[Any], own: Any) -> list[Any]:
+    """Those of `calls` that hold parameters themselves: calls of the modules in `own`,
+    or, without owners (None), the calls that have none of `calls` nested in them."""
+    if own is None:
+        return _innermost(calls)
+    return [c for c in calls if c.path in own and c.method == "__call__"]
+
+
+def _innermost(calls: list[Any]) -> list[Any]:
+    """The calls with none of `calls` strictly inside them."""
+    return [c for c in calls if not any(_strictly_inside(d, c) for d in calls)]
+
+
+def _strictly_inside(inner: Any, outer: Any) -> bool:
+    """Whether `inner`'s span lies within `outer`'s and is not the same span."""
+    within = outer.start <= inner.start and inner.stop <= outer.stop
+    return within and (inner.start, inner.stop) != (outer.start, outer.stop)
+
+
+def _single_array(graph: Any, call: Any) -> bool:
+    vid = single_output_id(call)
+    return vid is not None and len(graph.avals[vid].shape) >= 1
+
+
+def _array_leaves(tree: Any) -> list[Any]:
+    """The leaves of `tree` that the trace takes as array inputs."""
+    return [x for x in jax.tree_util.tree_leaves(tree) if is_traced_leaf(x)]
+
+
+def _matches(x: Any, sample: Any) -> bool:
+    """Whether a batch leaf has the sample leaf's rank, non-batch shape and dtype."""
+    same_shape = jnp.ndim(x) == len(sample.shape) and tuple(jnp.shape(x)[1:]) == tuple(sample.shape[1:])
+    return same_shape and jnp.result_type(x) == sample.dtype
+
+
+def _describe_leaves(leaves: Sequence[Any]) -> str:
+    return ", ".join(f"{jnp.result_type(x)}{list(jnp.shape(x))}" for x in leaves)
+
+
+def neurons(x: Any, granularity: str) -> Any:
+    """(batch, neurons) values of a layer output: channel means, or every element."""
+    x = x.astype(jnp.float32)
+    if x.ndim == 1:
+        return x[:, None]
+    if granularity == "channel":
+        return jnp.mean(x, axis=tuple(range(1, x.ndim - 1))) if x.ndim > 2 else x
+    return x.reshape(x.shape[0], -1)
+
+
+def scaled(x: Any) -> Any:
+    """Each input's layer output min-max scaled to [0, 1] over all its elements (0 if constant)."""
+    x = x.astype(jnp.float32)
+    flat = x.reshape(x.shape[0], -1)
+    lo = jnp.min(flat, axis=1).reshape((-1,) + (1,) * (x.ndim - 1))
+    hi = jnp.max(flat, axis=1).reshape((-1,) + (1,) * (x.ndim - 1))
+    span = hi - lo
+    return jnp.where(span > 0, (x - lo) / jnp.where(span > 0, span, 1.0), 0.0)
+
+
+class Observer:
+    """Runs a model up to chosen layers, compiled, and feeds their outputs to a function."""
+
+    def __init__(
+        self,
+        target: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        layers: Sequence[str] | None,
+        position: str = "output",
+    ):
+        if position not in POSITIONS:
+            raise InvalidSpecError(f"position must be one of {POSITIONS}, got {position!r}.")
+        traced = trace(target, args, kwargs)
+        self.target = target
+        self.layers = _ordered_layers(traced, default_layers(traced) if layers is None else layers)
+        ends = {n: _END_AT[position](n) for n in self.layers}
+        split = traced.split
+        self.variables = split.variables  # the model's arrays, before the program drops them
+        self.rngs = split.rngs
+        self.sample = [abstract(x) for x in _array_leaves((split.args, split.kwargs))]
+        self.program = SliceProgram(traced, None, ends)
+        base = self.program.base
+        self.shapes = [tuple(base.traced.graph.avals[i].shape) for i in base.plan.output_ids]
+
+    def batch_size(self, batch: Any) -> int:
+        leaves = _array_leaves(self._inputs(batch))
+        return int(jnp.shape(leaves[0])[0]) if leaves and jnp.ndim(leaves[0]) else 1
+
+    def _variable_leaves(self, entry: Any) -> list[Any]:
+        live = self.program.adapter.live_variables(self.target)
+        if live is None:
+            return self.program.variable_leaves(entry, self.variables, strict=False)
+        leaves = [live[p] for p in entry.plan.variable_paths]
+        graph = entry.traced.graph
+        check_leaves(entry.plan.variable_paths, leaves, [graph.avals[v] for v in entry.plan.variable_ids])
+        return leaves
+
+    def _inputs(self, batch: Any) -> tuple[Any, ...]:
+        args = batch if isinstance(batch, tuple) else (batch,)
+        leaves = _array_leaves(args)
+        if len(leaves) != len(self.sample) or not all(map(_matches, leaves, self.sample)):
+            raise InputMismatchError(
+                f"A batch must hold the model's inputs with the sample's non-batch shapes and dtypes "
+                f"({_describe_leaves(self.sample)}); got ({_describe_leaves(leaves)})."
+            )
+        return args
+
+    def run(
+        self,
+        key: int,
+        batch: Any,
+        make_step: Callable[[Callable[..., list[Any]]], Callable[..., Any]],
+        *state: Any,
+    ) -> Any:
+        """Applies the compiled step ``make_step(layer_outputs_fn)`` to a batch and `state`."""
+        args = self._inputs(batch)
+        mutable = self.program.base.traced.split.mutable
+        entry, leaves = self.program.lookup(args, {}, self.rngs, mutable)
+        var_leaves = self._variable_leaves(entry)
+        rng_leaves = self.program.rng_leaves(entry, self.rngs)
+        steps = entry.__dict__.setdefault("observer_steps", {})
+        step = steps.get(key)
+        if step is None:
+            n = len(self.layers)
+
+            def outputs(v: list[Any], r: list[Any], x: list[Any], _fn: Any = entry.fn) -> list[Any]:
+                return _fn(v, r, x)[:n]
+
+            step = steps[key] = jax.jit(make_step(outputs))
+        return step(var_leaves, rng_leaves, leaves, *state)
+
+
+_compat.register_frames_exclusion(__file__)
+
+
+def _ordered_layers(traced: Traced, layers: Any) -> list[str]:
+    """`layers` checked, without repeats, in call order."""
+    if isinstance(layers, str) or not all(isinstance(n, str) for n in layers):
+        raise InvalidSpecError(f"`layers` must be a list of boundary names or None, got {layers!r}.")
+    resolver = Resolver(traced.graph)
+    order = {}
+    for name in layers:
+        call, _ = resolver.resolve(name, "output")  # unknown / ambiguous names raise here
+        order[name] = (call.start, call.in_seq)
+    layers = sorted(dict.fromkeys(layers), key=order.__getitem__)
+    if not layers:
+        raise InvalidSpecError(
+            "No layers to observe: the model has no module with parameters; name `layers`."
+        )
+    return layers
