@@ -136,6 +136,11 @@ def has_effects(eqn: Any) -> bool:
     return bool(getattr(eqn, "effects", None))
 
 
+def is_axis_permutation(eqn: Any) -> bool:
+    """Whether an equation only permutes the axes of one array (`jnp.moveaxis`, `.T`)."""
+    return eqn.primitive is jex_core.primitives.transpose_p
+
+
 def primitive_name(eqn: Any) -> str:
     return str(eqn.primitive.name)
 
@@ -242,4 +247,3 @@ def current_trace() -> Any:
     """
     ctx = getattr(_jax_core, "trace_ctx", None)
     return getattr(ctx, "trace", None) if ctx is not None else None
-

@@ -536,7 +536,7 @@ class _EditHooks:
         if event.side == INPUT:
             self.records[id(call)] = new_record(
                 origin=Origin.NODE,
-                path=tuple(call.name.split("/")),
+                path=call.path,
                 method="__call__",
                 module_type=call.module_type,
             )

@@ -81,7 +81,7 @@ class MissingInputError(SliceError):
     """
 
     TEMPLATE = (
-        "The slice from {start} to {end} needs {what}, which is computed before the "
+        "The slice from {start} to {end} needs {what}, which {verb} computed before the "
         "start of the slice and is not one of its inputs.\n{fix}"
     )
     FIX = "Add it to `start`, for example: start={starts!r}"

@@ -25,15 +25,17 @@ _PROGRAMS = LRU(maxsize=16)
 def _names(names: Any) -> tuple[str, ...] | None:
     if names is None:
         return None
-    if isinstance(names, str):
-        raise InvalidSpecError(f"`names` must be a list of boundary names or None, got {names!r}.")
-    names = tuple(names)
-    if not names or not all(isinstance(n, str) for n in names):
+    try:
+        found = None if isinstance(names, str) else tuple(names)
+    except TypeError:
+        found = None
+    if not found or not all(isinstance(n, str) for n in found):
+        shown = list(found) if found is not None else names
         raise InvalidSpecError(
-            f"`names` must be a non-empty list of boundary names (strings), or None for "
-            f"every boundary; got {list(names)!r}."
+            "`names` must be a non-empty list of boundary names (strings), or None for "
+            f"every boundary; got {shown!r}."
         )
-    return names
+    return found
 
 
 def _key(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: Any) -> Any:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from . import _compat
 from ._core.program import BuildInfo, SliceProgram
-from ._trees import nest, path_str
+from ._trees import abstract_tree, nest, path_str
 
 
 class Sliced:
@@ -122,6 +124,40 @@ class Sliced:
             or a leaf of another shape or dtype than the model's.
         """
         return self._program.merge(full_variables, new_variables)
+
+    def export(
+        self, *, batch: str | None = "b", variables_as_input: bool = False, platforms: Any = None
+    ) -> Any:
+        """The slice as a `jax.export.Exported`, with a symbolic batch size.
+
+        Args:
+          batch: the name of a symbolic leading (batch) dimension for every input, or
+            None to export at the traced shapes.
+          variables_as_input: export ``fn(variables, *inputs)`` instead of ``fn(*inputs)``
+            with ``sub.variables`` built into the program as constants.
+          platforms: as for `jax.export.export` (default: the current platform).
+
+        Returns:
+          A `jax.export.Exported`; call it (``exported.call(x)``), or serialise it
+          (``exported.serialize()``) to run it without Python.
+
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxslice as js
+        >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+        >>> variables = model.init(jax.random.key(0), jnp.ones((3, 5)))
+        >>> head = js.slice(model, variables, jnp.ones((3, 5)), start="layers_2")
+        >>> head.export().call(jnp.ones((7, 4))).shape
+        (7, 2)
+        >>> head.export(variables_as_input=True).call(head.variables, jnp.ones((2, 4))).shape
+        (2, 2)
+        """
+        dim = jax.export.symbolic_shape(batch)[0] if batch is not None else None
+        args, kwargs = self._program.input_specs(dim)
+        if variables_as_input:
+            fn = lambda variables, *inputs, **kw: self.apply(variables, *inputs, **kw)  # noqa: E731
+            args = [abstract_tree(self.variables), *args]
+        else:
+            fn = lambda *inputs, **kw: self.apply(self.variables, *inputs, **kw)  # noqa: E731
+        return jax.export.export(jax.jit(fn), platforms=platforms)(*args, **kwargs)
 
     # ------------------------------------------------------------------ views
 

@@ -17,7 +17,7 @@ import jax
 from ._core.graph import Call, Graph
 from ._core.markers import INPUT
 from ._core.ports import Port, arguments_of, array_ids
-from ._trees import describe_aval
+from ._trees import describe_aval, join_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +98,7 @@ def describe(traced: Any) -> BoundaryTable:
 def _describe_call(traced: Any, call: Call) -> Boundary:
     inputs, outputs = _port_avals(traced.graph, call)
     if call.is_module:
-        params = traced.param_counts.get("/".join(call.path), 0)
+        params = traced.param_counts.get(join_name(call.path), 0)
     else:
         params = _span_params(traced, call)
     return Boundary(

@@ -94,6 +94,30 @@ def describe_aval(aval: Any) -> str:
     return f"{dtype}{list(shape)}"
 
 
+_SPECIAL = ("\\", "/", "@", ":", "[")
+
+
+def escape_name(part: str) -> str:
+    r"""One module name as it appears in a boundary name, with the characters that
+    separate path parts, call indices and ports escaped by a backslash.
+
+    >>> escape_name("a:input"), escape_name("block")
+    ('a\\:input', 'block')
+    """
+    for ch in _SPECIAL:
+        part = part.replace(ch, "\\" + ch)
+    return part
+
+
+def join_name(parts: Sequence[str]) -> str:
+    r"""A module path as a boundary name: escaped parts joined by ``/``.
+
+    >>> join_name(("p/q", "dense"))
+    'p\\/q/dense'
+    """
+    return "/".join(escape_name(str(p)) for p in parts)
+
+
 _EMPTY = object()
 
 

@@ -81,7 +81,7 @@ def computable(
     done = set(starts)
     for e in range(len(program)) if eqns is None else eqns:
         ins, outs = program[e]
-        if all(v in done or is_free(v) for v in ins):
+        if _all_in(ins, done, is_free):
             done.update(outs)
     return done
 
@@ -111,11 +111,11 @@ def frontier(
     done = computable(program, starts, is_free, reachable.eqns)
     from_start = depends_on(program, starts, reachable.eqns)
     found: list[int] = []
-    seen: set[int] = set()
+    seen = set(done)  # a computable value is never missing
     stack = list(outputs)
     while stack:
         v = stack.pop()
-        if v in seen or v in done or is_free(v):
+        if v in seen or is_free(v):
             continue
         seen.add(v)
         if (is_landmark(v) and v not in from_start) or v not in producer:
@@ -156,19 +156,41 @@ def effects_inside(
     >>> effects_inside(prog, c, {0}, lambda v: False, lambda e: e == 1).eqns
     (0, 1, 2)
     """
-    if not result.eqns:
-        return result
-    needed = set(result.eqns)
-    available = set(starts) | {v for i in needed for v in program[i][1]}
-    has = lambda v: v in available or is_free(v)  # noqa: E731
-    span = range(result.eqns[0], result.eqns[-1] + 1)
-    extra = [i for i in span if i not in needed and has_effects(i) and all(map(has, program[i][0]))]
+    extra = _effects_left_out(program, result, starts, is_free, has_effects)
     if not extra:
         return result
-    used_free = set(result.used_free) | {v for i in extra for v in program[i][0] if is_free(v)}
+    used_free = {v for i in extra for v in program[i][0] if is_free(v)}
     return dataclasses.replace(
-        result, eqns=tuple(sorted(needed | set(extra))), used_free=frozenset(used_free)
+        result,
+        eqns=tuple(sorted({*result.eqns, *extra})),
+        used_free=frozenset(result.used_free | used_free),
     )
+
+
+def _effects_left_out(
+    program: Program,
+    result: Cut,
+    starts: Collection[int],
+    is_free: Callable[[int], bool],
+    has_effects: Callable[[int], bool],
+) -> list[int]:
+    """The side-effecting equations between the first and the last of `result` that it
+    leaves out although it has all their inputs."""
+    if not result.eqns:
+        return []
+    needed = set(result.eqns)
+    available = set(starts) | {v for i in needed for v in program[i][1]}
+    span = range(result.eqns[0], result.eqns[-1] + 1)
+    return [
+        i
+        for i in span
+        if i not in needed and has_effects(i) and _all_in(program[i][0], available, is_free)
+    ]
+
+
+def _all_in(values: Iterable[int], known: Container[int], also: Callable[[int], bool]) -> bool:
+    """Whether each of `values` is in `known` or passes `also`."""
+    return all(v in known or also(v) for v in values)
 
 
 def owner(path: Sequence[Any], owners: Container[tuple[Any, ...]]) -> tuple[Any, ...] | None:
@@ -227,14 +249,17 @@ def fold(
     [('span', 0), ('eqn', 2)]
     """
     chosen = _foldable(program, spans, set(result.eqns), set(starts) | set(outputs), is_const)
-    extra = lambda ks: tuple(v for k in ks for v in spans[k].ins)  # noqa: E731
-    full = cut(program, producer, starts, is_free, tuple(outputs) + extra(chosen))
+    full = cut(program, producer, starts, is_free, tuple(outputs) + _operands(spans, chosen))
     if full.missing:  # some operand is not computable from the starts: keep those inlined
         chosen = [
             k for k in chosen if not cut(program, producer, starts, is_free, spans[k].ins).missing
         ]
-        full = cut(program, producer, starts, is_free, tuple(outputs) + extra(chosen))
+        full = cut(program, producer, starts, is_free, tuple(outputs) + _operands(spans, chosen))
     return full, _steps(full.eqns, [spans[k] for k in chosen], chosen)
+
+
+def _operands(spans: Sequence[Span], keys: Iterable[int]) -> tuple[int, ...]:
+    return tuple(v for k in keys for v in spans[k].ins)
 
 
 def _foldable(
@@ -258,14 +283,16 @@ def _folds(
     program: Program, span: Span, needed: set[int], ends: set[int], is_const: Callable
 ) -> bool:
     inside = [i for i in range(span.start, span.stop) if i in needed]
-    if not inside:
-        return False
-    internal = {v for i in range(span.start, span.stop) for v in program[i][1]} - set(span.outs)
-    if internal & ends:
-        return False  # the slice starts or ends inside the region
+    if not inside or _internal_values(program, span) & ends:
+        return False  # nothing to run, or the slice starts or ends inside the region
     read = {v for i in inside for v in program[i][0]}
     # Folding must not read more than the slice needs (dead code inside the region).
-    return all(v in read or is_const(v) for v in span.ins)
+    return _all_in(span.ins, read, is_const)
+
+
+def _internal_values(program: Program, span: Span) -> set[int]:
+    """The values the region's equations make other than its results."""
+    return {v for i in range(span.start, span.stop) for v in program[i][1]} - set(span.outs)
 
 
 def _steps(eqns: Sequence[int], spans: list[Span], keys: list[int]) -> list[tuple[str, int]]:

@@ -24,6 +24,7 @@ import jax
 from .. import _compat
 from .graph import Call, Eqn, Graph, Region, Slot
 from .markers import INPUT, PLACEHOLDER, CallRecord, Marker, Origin
+from .ports import array_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,16 +101,11 @@ class _Builder:
     def copy(self, eqn: Any, env: dict[Any, int], scopes: tuple[str, ...]) -> None:
         g = self.g
         ins = tuple(self.read(env, a) for a in eqn.invars)
-        outs = []
-        for v in eqn.outvars:
-            vid = g.new_value(_compat.aval_of(v))
-            if not _compat.is_dropvar(v):
-                env[v] = vid
-            outs.append(vid)
+        outs = tuple(g.new_value(_compat.aval_of(v)) for v in eqn.outvars)
+        _bind(env, eqn.outvars, outs)
         idx = len(g.eqns)
-        g.eqns.append(Eqn(eqn, ins, tuple(outs), scopes))
-        for vid in outs:
-            g.producer[vid] = idx
+        g.eqns.append(Eqn(eqn, ins, outs, scopes))
+        g.producer.update(dict.fromkeys(outs, idx))
         if self.has_marker_eqn(eqn):
             self.collect_loop_markers(eqn, scopes, idx, _compat.primitive_name(eqn))
 
@@ -117,21 +113,18 @@ class _Builder:
         self, eqn: Any, body: tuple[Any, Sequence[Any]], env: dict[Any, int], scopes: tuple
     ) -> None:
         jaxpr, consts = body
-        inner: dict[Any, int] = {}
-        for v, c in zip(jaxpr.constvars, consts, strict=True):
-            inner[v] = self.g.new_const(c)
-        ins = []
-        for v, a in zip(jaxpr.invars, eqn.invars, strict=True):
-            inner[v] = self.read(env, a)
-            ins.append(inner[v])
+        inner = self.const_env(jaxpr, consts)
+        ins = tuple(self.read(env, a) for a in eqn.invars)
+        inner.update(zip(jaxpr.invars, ins, strict=True))
         start = len(self.g.eqns)
         self.walk(jaxpr, inner, scopes)
-        outs = [self.read(inner, atom) for atom in jaxpr.outvars]
-        for outer, vid in zip(eqn.outvars, outs, strict=True):
-            if not _compat.is_dropvar(outer):
-                env[outer] = vid
-        region_eqn = Eqn(eqn, tuple(ins), tuple(outs), scopes)
-        self.g.regions.append(Region(region_eqn, start, len(self.g.eqns)))
+        outs = tuple(self.read(inner, atom) for atom in jaxpr.outvars)
+        _bind(env, eqn.outvars, outs)
+        self.g.regions.append(Region(Eqn(eqn, ins, outs, scopes), start, len(self.g.eqns)))
+
+    def const_env(self, jaxpr: Any, consts: Sequence[Any]) -> dict[Any, int]:
+        """An environment binding `jaxpr`'s constvars to new constants."""
+        return {v: self.g.new_const(c) for v, c in zip(jaxpr.constvars, consts, strict=True)}
 
     def collect_loop_markers(self, eqn: Any, scopes: tuple[str, ...], pos: int, loop: str) -> None:
         for sub in _compat.subjaxprs(eqn):
@@ -146,17 +139,27 @@ class _Builder:
 
     def _note_loop_scopes(self, outer: tuple, inner: tuple, pos: int, loop: str) -> None:
         if self.scopes:
-            for k in range(len(outer), len(inner)):
-                self.loop_scopes.setdefault(inner[: k + 1], (pos, loop))
+            for scope in _prefixes(inner)[len(outer) :]:
+                self.loop_scopes.setdefault(scope, (pos, loop))
+
+
+def _bind(env: dict[Any, int], outvars: Sequence[Any], ids: Sequence[int]) -> None:
+    """Binds each of `outvars` that is not a dropped variable to its value id."""
+    for v, vid in zip(outvars, ids, strict=True):
+        if not _compat.is_dropvar(v):
+            env[v] = vid
+
+
+def _prefixes(scopes: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Every non-empty prefix of `scopes`, outer first."""
+    return [scopes[: k + 1] for k in range(len(scopes))]
 
 
 def build(closed_jaxpr: Any, signature: Signature, *, name_scopes: bool = False) -> Graph:
     """Flattens a traced program whose invars are (variables, rngs, array inputs)."""
     b = _Builder(scopes=name_scopes)
     jaxpr, consts = _compat.open_jaxpr(closed_jaxpr)
-    env: dict[Any, int] = {}
-    for v, c in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = b.g.new_const(c)
+    env = b.const_env(jaxpr, consts)
     _bind_invars(b.g, jaxpr.invars, env, signature)
     b.walk(jaxpr, env, ())
     _bind_outvars(b, jaxpr.outvars, env, signature)
@@ -208,16 +211,29 @@ class _Open:
     ins: dict[int, int | None] = dataclasses.field(default_factory=dict)
     outs: dict[int, int | None] = dataclasses.field(default_factory=dict)
 
-    def finish(self) -> None:
+    def takes_input(self, leaf: int) -> bool:
+        """Whether an input marker of `leaf` belongs to this call (and does not start a new
+        one): no output has been seen and the leaf has not."""
+        return not self.outs and leaf not in self.ins
+
+    def add_output(self, occ: _Occurrence, seq: int) -> None:
+        self.outs[occ.marker.leaf] = occ.vid
+        self.call.stop, self.call.out_seq = occ.pos, seq
+
+    def finish(self) -> Call:
         record = self.record
-        self.call.in_slots = [
-            Slot(self.ins.get(i)) if arr else Slot(None)
-            for i, arr in enumerate(record.in_is_array)
-        ]
-        self.call.out_slots = [
-            Slot(self.outs.get(i)) if arr else Slot(None, record.out_statics.get(i))
-            for i, arr in enumerate(record.out_is_array)
-        ]
+        self.call.in_slots = _slots(self.ins, record.in_is_array, {})
+        self.call.out_slots = _slots(self.outs, record.out_is_array, record.out_statics)
+        return self.call
+
+
+def _slots(
+    ids: dict[int, int | None], is_array: Sequence[bool], statics: dict[int, Any]
+) -> list[Slot]:
+    """Per leaf, the value its marker saw (arrays) or its static value (others)."""
+    return [
+        Slot(ids.get(i)) if arr else Slot(None, statics.get(i)) for i, arr in enumerate(is_array)
+    ]
 
 
 def _calls_from_markers(occurrences: list[_Occurrence]) -> list[Call]:
@@ -233,16 +249,13 @@ def _calls_from_markers(occurrences: list[_Occurrence]) -> list[Call]:
         key = id(occ.marker.record)
         state = current.get(key)
         if occ.marker.side == INPUT:
-            if state is None or state.outs or occ.marker.leaf in state.ins:
+            if state is None or not state.takes_input(occ.marker.leaf):
                 state = current[key] = _Open(_new_call(occ, seq), occ.marker.record)
                 opened.append(state)
             state.ins[occ.marker.leaf] = occ.vid
         elif state is not None:  # an output without its input: the input was dead code
-            state.outs[occ.marker.leaf] = occ.vid
-            state.call.stop, state.call.out_seq = occ.pos, seq
-    for state in opened:
-        state.finish()
-    return [state.call for state in opened]
+            state.add_output(occ, seq)
+    return [state.finish() for state in opened]
 
 
 def _new_call(occ: _Occurrence, seq: int) -> Call:
@@ -280,50 +293,115 @@ def _whole_loops(g: Graph, calls: list[Call]) -> list[Call]:
     the tuple of the loop's results. Calls nested in it stay per-iteration (not sliceable).
     """
     outside = {c.name for c in calls if c.loop is None}
-    wholes: dict[int, list[Call]] = {}
+    wholes: dict[int, list[Call]] = {}  # by loop position, the calls made whole so far
     out: list[Call] = []
     for c in calls:
         siblings = wholes.setdefault(c.start, [])
-        lifted = c.loop is not None and c.is_module and c.name not in outside
-        if lifted and not any(c.path[: len(o.path)] == o.path for o in siblings):
+        if _is_lifted(c, outside) and not any(_nested_in(c, o) for o in siblings):
             c = _loop_as_call(g, c)
             siblings.append(c)
         out.append(c)
     return out
 
 
+def _is_lifted(c: Call, outside: set[str]) -> bool:
+    """Whether `c` is a module call inside a loop whose module is called nowhere else."""
+    return c.loop is not None and c.is_module and c.name not in outside
+
+
+def _nested_in(c: Call, outer: Call) -> bool:
+    return c.path[: len(outer.path)] == outer.path
+
+
 def _loop_as_call(g: Graph, c: Call) -> Call:
-    eqn = g.eqns[c.start]
-    n_in, n_out = len(eqn.ins), len(eqn.outs)
-    out_tree = jax.tree_util.tree_structure(tuple(range(n_out)) if n_out != 1 else 0)
+    """The loop equation at `c.start` as one call, with the ports its caller sees.
+
+    A lifted transform moves axes around the loop (``nn.scan(..., in_axes=1)`` transposes
+    the scanned operand before the loop and the stacked result after it), so an operand
+    that is a permutation of another value, made only for the loop, is taken before that
+    permutation, and a result that only a permutation reads, after it.
+    """
+    pos = c.start
+    eqn = g.eqns[pos]
+    readers = _readers(g)
+    ins, starts = zip(*(_unmoved_operand(g, readers, v, pos) for v in eqn.ins), strict=True)
+    outs, stops = zip(*(_unmoved_result(g, readers, v, pos) for v in eqn.outs), strict=True)
+    out_tree = jax.tree_util.tree_structure(tuple(range(len(outs))) if len(outs) != 1 else 0)
     return dataclasses.replace(
         c,
         loop=None,
-        in_tree=jax.tree_util.tree_structure((tuple(range(n_in)), {})),
-        in_slots=[Slot(v) for v in eqn.ins],
+        in_tree=jax.tree_util.tree_structure((tuple(range(len(ins))), {})),
+        in_slots=[Slot(v) for v in ins],
         out_tree=out_tree,
-        out_slots=[Slot(v) for v in eqn.outs],
-        start=c.start,
-        stop=c.start + 1,
+        out_slots=[Slot(v) for v in outs],
+        start=min(starts),
+        stop=max(stops),
         module_type=f"{c.module_type} ({eqn.primitive})",
     )
+
+
+def _readers(g: Graph) -> dict[int, list[int]]:
+    """The equations that read each value; the model's outputs count as a reader (-1)."""
+    readers = g.__dict__.get("_readers")
+    if readers is None:
+        readers = {}
+        for pos, eqn in enumerate(g.eqns):
+            for v in eqn.ins:
+                readers.setdefault(v, []).append(pos)
+        for v in array_ids(g.out_slots):
+            readers.setdefault(v, []).append(-1)
+        g.__dict__["_readers"] = readers
+    return readers
+
+
+def _unmoved_operand(g: Graph, readers: dict, v: int, pos: int) -> tuple[int, int]:
+    """``(value, first equation)`` of a loop operand as the caller passed it."""
+    made = g.producer.get(v)
+    if made is None or readers.get(v) != [pos] or not _moves_axes(g, made):
+        return v, pos
+    return g.eqns[made].ins[0], made
+
+
+def _unmoved_result(g: Graph, readers: dict, v: int, pos: int) -> tuple[int, int]:
+    """``(value, stop)`` of a loop result as the caller receives it."""
+    users = readers.get(v, [])
+    if len(users) != 1 or users[0] < 0 or not _moves_axes(g, users[0]):
+        return v, pos + 1
+    return g.eqns[users[0]].outs[0], users[0] + 1
+
+
+def _moves_axes(g: Graph, pos: int) -> bool:
+    eqn = g.eqns[pos]
+    return _compat.is_axis_permutation(eqn.jax_eqn) and not g.is_free(eqn.ins[0])
 
 
 def _with_scope_calls(g: Graph, loop_scopes: dict[tuple[str, ...], tuple[int, str]]) -> list[Call]:
     """The marked calls plus `jax.named_scope` regions no marked call already names."""
     calls = list(g.calls)
-    known = {c.name for c in calls}
-    for call in _calls_from_scopes(g):
-        if call.name not in known:
-            calls.append(call)
-    known = {c.name for c in calls}
-    for scope, (pos, loop) in loop_scopes.items():
-        if "/".join(scope) not in known:
-            known.add("/".join(scope))
-            calls.append(_scope_call(scope, pos, pos + 1, [], [], loop))
-    # Same span: marked calls in marker order, then scope regions outer first.
-    calls.sort(key=lambda c: (c.start, -c.stop, c.is_scope, len(c.path) if c.is_scope else 0))
+    calls += _unnamed(_calls_from_scopes(g), calls)
+    calls += _unnamed(_loop_scope_calls(loop_scopes), calls)
+    calls.sort(key=_span_order)
     return calls
+
+
+def _unnamed(candidates: list[Call], calls: list[Call]) -> list[Call]:
+    """The candidates whose name none of `calls` has."""
+    known = {c.name for c in calls}
+    return [c for c in candidates if c.name not in known]
+
+
+def _loop_scope_calls(loop_scopes: dict[tuple[str, ...], tuple[int, str]]) -> list[Call]:
+    """One call per name of the scope regions inside loop bodies (the first with it)."""
+    calls: dict[str, Call] = {}
+    for scope, (pos, loop) in loop_scopes.items():
+        calls.setdefault("/".join(scope), _scope_call(scope, pos, pos + 1, [], [], loop))
+    return list(calls.values())
+
+
+def _span_order(c: Call) -> tuple[Any, ...]:
+    """Calls by span, outer first; on the same span marked calls in marker order, then
+    scope regions outer first."""
+    return (c.start, -c.stop, c.is_scope, len(c.path) if c.is_scope else 0)
 
 
 def _scope_call(
@@ -350,16 +428,23 @@ def _scope_call(
 def _scope_runs(g: Graph) -> list[tuple[tuple[str, ...], int, int]]:
     """``(scope, start, stop)`` of each run of equations sharing a scope prefix."""
     runs: list[tuple[tuple[str, ...], int, int]] = []
-    open_runs: dict[tuple[str, ...], int] = {}
+    open_runs: dict[tuple[str, ...], int] = {}  # scope -> start of its run
     for pos, eqn in enumerate(g.eqns):
-        prefixes = [eqn.scopes[: k + 1] for k in range(len(eqn.scopes))]  # outer first
-        for p in [p for p in open_runs if p not in prefixes]:
-            runs.append((p, open_runs.pop(p), pos))
+        prefixes = _prefixes(eqn.scopes)
+        runs += _close_runs(open_runs, prefixes, pos)
         for p in prefixes:
             open_runs.setdefault(p, pos)
-    runs += [(p, s, len(g.eqns)) for p, s in open_runs.items()]
+    runs += _close_runs(open_runs, [], len(g.eqns))
     runs.sort(key=lambda r: (r[1], -r[2], len(r[0])))
     return runs
+
+
+def _close_runs(
+    open_runs: dict[tuple[str, ...], int], kept: list[tuple[str, ...]], stop: int
+) -> list[tuple[tuple[str, ...], int, int]]:
+    """Ends at `stop` (and forgets) the open runs whose scope is not in `kept`."""
+    ended = [p for p in open_runs if p not in kept]
+    return [(p, open_runs.pop(p), stop) for p in ended]
 
 
 def _calls_from_scopes(g: Graph) -> list[Call]:
@@ -369,11 +454,10 @@ def _calls_from_scopes(g: Graph) -> list[Call]:
     those it makes that the model's output or a later equation reads.
     """
     last_read = _last_reader(g)
-    out_ids = {s.id for s in g.out_slots if s.id is not None}
     calls = []
     for scope, start, stop in _scope_runs(g):
         reads, made = _region_values(g, start, stop)
-        outs = [v for v in made if v in out_ids or last_read.get(v, -1) >= stop]
+        outs = [v for v in made if last_read.get(v, -1) >= stop]
         calls.append(_scope_call(scope, start, stop, reads, outs, None))
     return calls
 
@@ -391,10 +475,12 @@ def _region_values(g: Graph, start: int, stop: int) -> tuple[list[int], list[int
 
 
 def _last_reader(g: Graph) -> dict[int, int]:
+    """The position of the last equation that reads each value; the model's output reads
+    its values after every equation (at ``len(g.eqns)``)."""
     last: dict[int, int] = {}
     for pos, eqn in enumerate(g.eqns):
-        for v in eqn.ins:
-            last[v] = pos
+        last.update(dict.fromkeys(eqn.ins, pos))
+    last.update(dict.fromkeys(array_ids(g.out_slots), len(g.eqns)))
     return last
 
 

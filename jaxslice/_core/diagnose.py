@@ -17,10 +17,12 @@ from .._trees import describe_aval
 from . import analysis
 from .graph import Call, Graph
 from .markers import INPUT, OUTPUT
-from .ports import Argument, Port, flat_ports, port_value_tree
+from .ports import Argument, Port, arguments_of, flat_ports, port_value_tree
 
 
-def check_inputs(arguments: Sequence[Argument]) -> None:
+def check_inputs(
+    graph: Graph, arguments: Sequence[Argument], works: Callable[[list[Any]], bool]
+) -> None:
     """Starts must be distinct values with distinct keyword names."""
     keywords = [a.keyword for a in arguments if a.keyword is not None]
     if len(keywords) != len(set(keywords)):
@@ -28,31 +30,51 @@ def check_inputs(arguments: Sequence[Argument]) -> None:
             f"Two start boundaries take a keyword argument of the same name ({keywords}); "
             "name one of them by its `:output` port instead."
         )
-    first: dict[int, Argument] = {}
+    seen: dict[int, tuple[Argument, int]] = {}
     for arg in arguments:
-        for vid in arg.input_ids:
-            other = first.setdefault(vid, arg)
-            if other is not arg or arg.input_ids.count(vid) > 1:
-                raise InvalidSpecError(_same_value_message(other, arg))
+        for leaf, vid in enumerate(arg.slot_ids):
+            if vid is None:
+                continue
+            if vid in seen:
+                raise InvalidSpecError(_same_value(graph, seen[vid], (arg, leaf), vid, works))
+            seen[vid] = (arg, leaf)
 
 
 SAME_VALUE = (
-    "{where} the same value in the traced model, so a slice cannot take them as separate "
-    "inputs (one would be silently ignored). Start at one of them, or at the module that "
-    "produces that value (its ':output')."
+    "{first} and {second} are one value of the traced model ({aval}, {made}), so a slice "
+    "cannot take them as separate inputs (one would be silently ignored). This happens when "
+    "a module is called with a container that already holds another of its arguments (for "
+    "example `block(x, act)` where `act` holds `x`). {fix}"
 )
-RECEIVES_TWICE = (
-    "{label} receives the same value twice: its argument {a} and its argument {b} hold one "
-    "array of the traced model (for example `block(x, act)` where `act` holds `x`), so a "
-    "slice cannot take them as separate inputs. Start at the module that produces that "
-    "value instead ('{producer}:output'), or at an earlier boundary."
-)
+SAME_VALUE_FIX = "Start at the module that produces it instead: start={starts!r}."
+SAME_VALUE_NO_FIX = "Start at an earlier boundary (or None, the model's inputs) instead."
 
 
-def _same_value_message(a: Argument, b: Argument) -> str:
-    if a is not b:
-        return SAME_VALUE.format(where=f"{a.port.label} and {b.port.label} are")
-    return SAME_VALUE.format(where=f"{a.port.label} receives it twice and is")
+def _same_value(
+    graph: Graph, a: tuple[Argument, int], b: tuple[Argument, int], vid: int, works: Callable
+) -> str:
+    producer = landmarks(graph).get(vid)
+    if producer is not None and producer[1] == OUTPUT:
+        made = f"the output of {producer[0].qualname!r}"
+        suggestion = [f"{producer[0].qualname}:output"]
+    else:
+        made = "an input of the model" if vid in graph.input_ids else "computed in the model"
+        suggestion = None
+    fix = SAME_VALUE_NO_FIX
+    if suggestion is not None and works(suggestion):
+        fix = SAME_VALUE_FIX.format(starts=suggestion)
+    return SAME_VALUE.format(
+        first=_leaf_label(*a),
+        second=_leaf_label(*b),
+        aval=describe_aval(graph.avals[vid]),
+        made=made,
+        fix=fix,
+    )
+
+
+def _leaf_label(arg: Argument, leaf: int) -> str:
+    many = sum(1 for i in arg.slot_ids if i is not None) > 1
+    return f"{arg.describe()}" + (f" (leaf {leaf})" if many else "")
 
 
 def check_connected(
@@ -124,20 +146,41 @@ def raise_missing(
     ``works(starts)`` says a slice from there can be made.
     """
     marks = landmarks(graph)
-    labels = _missing_labels(
-        graph, graph.frontier(input_ids, output_ids, marks.__contains__), marks
-    )
+    found = graph.frontier(input_ids, output_ids, marks.__contains__)
+    labels = _missing_labels(graph, found, marks)
     what = [_describe(label, avals) for label, avals in labels.items()]
-    fix = ([p.spec for p in starts] if starts else []) + [_as_start(label) for label in labels]
-    fix_text = MissingInputError.FIX.format(starts=fix) if works(fix) else MissingInputError.NO_FIX
+    fix = next((c for c in _fixes(graph, starts, labels, marks, found) if works(c)), None)
     raise MissingInputError(
         MissingInputError.TEMPLATE.format(
             start=", ".join(p.label for p in starts) if starts else "the model's inputs",
             end=", ".join(p.label for p in ends),
             what=" and ".join(what) or "a value computed before the start",
-            fix=fix_text,
+            verb="are" if len(what) > 1 else "is",
+            fix=MissingInputError.FIX.format(starts=fix) if fix else MissingInputError.NO_FIX,
         )
     )
+
+
+def _fixes(
+    graph: Graph, starts: tuple[Port, ...] | None, labels: dict, marks: dict, found: list[int]
+) -> list[list[Any]]:
+    """Candidate starts: the current ones plus the missing values' ports, and the same
+    without current starts whose inputs those ports already provide (a block's input that
+    is part of the previous block's output)."""
+    current = list(starts or ())
+    additions = [_as_start(label) for label in labels]
+    provided = {s.id for v in found if v in marks for s in _port_slots(*marks[v])}
+    kept = [p for p in current if not _start_values(graph, p) <= provided]
+    candidates = [[p.spec for p in current] + additions, [p.spec for p in kept] + additions]
+    return [c for i, c in enumerate(candidates) if c not in candidates[:i]]
+
+
+def _port_slots(call: Call, side: str) -> list[Any]:
+    return call.out_slots if side == OUTPUT else call.in_slots
+
+
+def _start_values(graph: Graph, port: Port) -> set[int]:
+    return {i for a in arguments_of(graph, port) for i in a.input_ids}
 
 
 def _missing_labels(graph: Graph, found: list[int], marks: dict) -> dict[str | None, list[Any]]:
@@ -157,7 +200,7 @@ def _missing_labels(graph: Graph, found: list[int], marks: dict) -> dict[str | N
 def _describe(label: str | None, avals: list[Any]) -> str:
     if label is None:
         return "the model's own input"
-    name, _, port = label.partition(":")
+    name, port = (label[: -len(":input")], "input") if label.endswith(":input") else (label, "")
     shapes = ", ".join(describe_aval(a) for a in avals)
     return f"the {port or 'output'} of {name!r} ({shapes})"
 

@@ -23,7 +23,7 @@ from .. import _compat
 from .._errors import SliceError
 from .graph import Call, Graph, Slot, innermost
 from .markers import INPUT
-from .ports import Port, port_value_tree
+from .ports import Port, array_ids, map_ports, port_value_tree
 
 
 def emit(
@@ -35,7 +35,7 @@ def emit(
     """A function ``f(*groups) -> outputs``; ``groups[k]`` holds values for ``arg_ids[k]``."""
     eqns = list(eqns)
     needed = {v for e in eqns for v in e.ins} | set(output_ids)
-    consts = {v: graph.consts[v] for v in needed if v in graph.consts}
+    consts = {v: graph.consts[v] for v in needed & graph.consts.keys()}
     arg_ids = [tuple(ids) for ids in arg_ids]
     output_ids = tuple(output_ids)
 
@@ -62,11 +62,7 @@ def assemble(trees: Any, values: Sequence[Any]) -> Any:
             is_leaf=lambda x: isinstance(x, Slot),
         )
 
-    if isinstance(trees, tuple):
-        return tuple(fill(t) for t in trees)
-    if isinstance(trees, dict):
-        return {k: fill(t) for k, t in trees.items()}
-    return fill(trees)
+    return map_ports(fill, trees)
 
 
 # --------------------------------------------------------------------------- hooks
@@ -115,22 +111,20 @@ class Hooks(Protocol):
 
 
 def _events(graph: Graph) -> dict[int, list[tuple[float, str, Call]]]:
-    """Boundary events by equation position, in the order they happen there."""
+    """Boundary events by equation position, in the order they happen there.
+
+    Calls that share a position open in the order of their first input marker and close in
+    that of their last output marker (`Call.in_seq`, `Call.out_seq`). Scope regions have no
+    markers: their orders (infinite by default) open them after, and close them before,
+    the marked calls there.
+    """
     events: dict[int, list[tuple[float, str, Call]]] = {}
-    for call in graph.calls:
-        if call.loop is None:
-            events.setdefault(call.start, []).append((_order(call, INPUT), INPUT, call))
-            events.setdefault(call.stop, []).append((_order(call, "output"), "output", call))
+    for call in _outside_loops(graph):
+        events.setdefault(call.start, []).append((call.in_seq, INPUT, call))
+        events.setdefault(call.stop, []).append((call.out_seq, "output", call))
     for evs in events.values():
         evs.sort(key=lambda e: e[0])
     return events
-
-
-def _order(call: Call, side: str) -> float:
-    # Scope regions have no markers: they open after and close before marked calls.
-    if side == INPUT:
-        return 1e18 if call.is_scope else call.in_seq
-    return -1e18 if call.is_scope else call.out_seq
 
 
 class _Env:
@@ -158,20 +152,26 @@ def evaluate(
     inputs: list[Any],
 ) -> Any:
     """Runs `graph` equation by equation, calling `hooks`; returns the model's output."""
-    env = _Env(dict(graph.consts))
-    env.values.update(zip(graph.variable_ids, var_values, strict=True))
-    env.values.update(zip(graph.rng_ids, rng_values, strict=False))
-    env.values.update(zip(graph.input_ids, inputs, strict=True))
+    env = _Env(_initial_values(graph, var_values, rng_values, inputs))
     events = _events(graph)
-    owner = [c.qualname if c else None for c in innermost(_outside_loops(graph), len(graph.eqns))]
-    for pos in range(len(graph.eqns) + 1):
-        env.advance(pos)
-        for _, side, call in events.get(pos, ()):
-            _boundary(graph, hooks, env, pos, call, side)
-        if pos < len(graph.eqns):
-            _equation(graph, hooks, env, pos, owner[pos])
+    owners = innermost(_outside_loops(graph), len(graph.eqns))
+    for pos, owner in enumerate(owners):
+        _boundaries(graph, hooks, env, pos, events.get(pos, ()))
+        _equation(graph, hooks, env, pos, owner.qualname if owner else None)
+    end = len(graph.eqns)
+    _boundaries(graph, hooks, env, end, events.get(end, ()))
     out_tree = jax.tree_util.tree_unflatten(graph.out_tree, graph.out_slots)
-    return assemble(out_tree, [env.values[s.id] for s in graph.out_slots if s.id is not None])
+    return assemble(out_tree, [env.values[v] for v in array_ids(graph.out_slots)])
+
+
+def _initial_values(
+    graph: Graph, var_values: list[Any], rng_values: list[Any], inputs: list[Any]
+) -> dict[int, Any]:
+    values = dict(graph.consts)
+    values.update(zip(graph.variable_ids, var_values, strict=True))
+    values.update(zip(graph.rng_ids, rng_values, strict=False))
+    values.update(zip(graph.input_ids, inputs, strict=True))
+    return values
 
 
 def _outside_loops(graph: Graph) -> list[Call]:
@@ -184,71 +184,94 @@ HOOK_STRUCTURE = (
 )
 
 
+def _boundaries(
+    graph: Graph, hooks: Hooks, env: _Env, pos: int, events: Sequence[tuple[float, str, Call]]
+) -> None:
+    """The boundary events at equation position `pos`, in order."""
+    env.advance(pos)
+    for _, side, call in events:
+        _boundary(graph, hooks, env, pos, call, side)
+
+
 def _boundary(graph: Graph, hooks: Hooks, env: _Env, pos: int, call: Call, side: str) -> None:
     tree = port_value_tree(graph, Port(call.qualname, call, side))
-    ids = [s.id for s in jax.tree_util.tree_leaves(tree) if s.id is not None]
+    ids = array_ids(jax.tree_util.tree_leaves(tree))
     value = assemble(tree, [env.read(v, pos) for v in ids])
     new = hooks.on_boundary(BoundaryEvent(call, side, value))
-    if new is value:
-        return
+    if new is not value:
+        leaves = _leaves_like(new, value, call, side)
+        if side == INPUT:  # seen only by the call's own equations
+            env.overlays.append((call.stop, dict(zip(ids, leaves, strict=True))))
+        else:
+            env.values.update(zip(ids, leaves, strict=True))
+
+
+def _leaves_like(new: Any, value: Any, call: Call, side: str) -> list[Any]:
+    """The leaves of a hook's replacement `new`, which must have `value`'s structure."""
     leaves, treedef = jax.tree_util.tree_flatten(new)
     want = jax.tree_util.tree_structure(value)
     if treedef != want:
         raise SliceError(
             HOOK_STRUCTURE.format(name=call.qualname, side=side, got=treedef, want=want)
         )
-    if side == INPUT:
-        env.overlays.append((call.stop, dict(zip(ids, leaves, strict=True))))
-    else:
-        env.values.update(zip(ids, leaves, strict=True))
+    return leaves
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+    """Where the equations of a call-like equation's body run, as hooks see them: the
+    position of that equation in the flat program, its scopes and its innermost boundary."""
+
+    pos: int
+    scopes: tuple[str, ...]
+    owner: str | None
+
+    def info(self, jax_eqn: Any, scopes: tuple[str, ...]) -> Equation:
+        return Equation(
+            _compat.primitive_name(jax_eqn),
+            dict(jax_eqn.params),
+            self.pos,
+            scopes,
+            self.owner,
+            _compat.source_line(jax_eqn),
+        )
 
 
 def _equation(graph: Graph, hooks: Hooks, env: _Env, pos: int, owner: str | None) -> None:
     eqn = graph.eqns[pos]
+    site = _Site(pos, eqn.scopes, owner)
     ins = [env.read(v, pos) for v in eqn.ins]
-    body = _compat.call_body(eqn.jax_eqn) if hooks.recurse else None
-    if body is not None:
-        outs = _eval_body(body, ins, hooks, pos, eqn.scopes, owner)
-    else:
-        outs = _compat.bind_eqn(eqn.jax_eqn, ins)
-    info = _info(eqn.jax_eqn, pos, eqn.scopes, owner)
-    env.values.update(zip(eqn.outs, hooks.equation(info, ins, outs), strict=True))
+    outs = _outputs(eqn.jax_eqn, ins, hooks, site)
+    outs = hooks.equation(site.info(eqn.jax_eqn, eqn.scopes), ins, outs)
+    env.values.update(zip(eqn.outs, outs, strict=True))
 
 
-def _info(jax_eqn: Any, pos: int, scopes: tuple[str, ...], owner: str | None) -> Equation:
-    return Equation(
-        _compat.primitive_name(jax_eqn),
-        dict(jax_eqn.params),
-        pos,
-        scopes,
-        owner,
-        _compat.source_line(jax_eqn),
-    )
+def _outputs(jax_eqn: Any, ins: list[Any], hooks: Hooks, site: _Site) -> list[Any]:
+    """Runs one equation: its body equation by equation when the hooks recurse into
+    call-like equations, else its primitive."""
+    body = _compat.call_body(jax_eqn) if hooks.recurse else None
+    if body is None:
+        return _compat.bind_eqn(jax_eqn, ins)
+    return _eval_body(body, ins, hooks, site)
 
 
-def _eval_body(
-    body: Any, ins: list[Any], hooks: Hooks, pos: int, scopes: tuple[str, ...], owner: Any
-) -> list[Any]:
+def _eval_body(body: Any, ins: list[Any], hooks: Hooks, site: _Site) -> list[Any]:
     jaxpr, consts = body
     env: dict[Any, Any] = {}
     env.update(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, ins, strict=True))
-
-    def read(a: Any) -> Any:
-        return _compat.literal_value(a) if _compat.is_literal(a) else env[a]
-
     for eqn in jaxpr.eqns:
-        args = [read(a) for a in eqn.invars]
-        sub = _compat.call_body(eqn)
-        if sub is not None:
-            outs = _eval_body(sub, args, hooks, pos, scopes, owner)
-        else:
-            outs = _compat.bind_eqn(eqn, args)
-        info = _info(eqn, pos, scopes + _compat.eqn_scopes(eqn), owner)
+        args = [_read(env, a) for a in eqn.invars]
+        outs = _outputs(eqn, args, hooks, site)
+        info = site.info(eqn, site.scopes + _compat.eqn_scopes(eqn))
         for v, o in zip(eqn.outvars, hooks.equation(info, args, outs), strict=True):
             if not _compat.is_dropvar(v):
                 env[v] = o
-    return [read(a) for a in jaxpr.outvars]
+    return [_read(env, a) for a in jaxpr.outvars]
+
+
+def _read(env: dict[Any, Any], atom: Any) -> Any:
+    return _compat.literal_value(atom) if _compat.is_literal(atom) else env[atom]
 
 
 _compat.register_frames_exclusion(__file__)

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from .. import _compat
-from .._trees import is_array
+from .._trees import is_array, join_name
 
 INPUT = "input"
 OUTPUT = "output"
@@ -61,7 +61,9 @@ class CallRecord:
     @property
     def name(self) -> str:
         """``path`` or ``path.method``, as boundary names are written."""
-        name = "/".join(self.path)
+        if self.origin is Origin.MARK:
+            return "/".join(self.path)  # the mark's own name, as the user wrote it
+        name = join_name(self.path)
         return name if self.method == "__call__" else f"{name}.{self.method}"
 
 

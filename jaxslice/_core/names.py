@@ -1,6 +1,7 @@
 """Resolving boundary names to calls and ports.
 
-Grammar: ``path[.method][@k][:input|:output]``. Names are exact strings, never prefixes
+Grammar: ``path[.method][@k][:input|:output]``, where a module name holding one of
+``\\ / @ : [`` has it escaped by a backslash (``a\\:input``). Names are exact strings, never prefixes
 or patterns. A name called more than once needs ``@k`` (call order, from 0). Without a
 port, a start means the module's input and an end means its output.
 """
@@ -8,6 +9,7 @@ port, a start means the module's input and an end means its output.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,26 +23,35 @@ from .graph import Call, Graph
 from .markers import INPUT, OUTPUT
 
 PORTS = (INPUT, OUTPUT)
+LITERAL = (
+    "{spec!r} could name a port or call of {base!r} or the module named {spec!r} itself. "
+    "Write {literal!r} for that module (the name grammar's characters escaped with a "
+    "backslash, as `js.boundaries` lists it), or add the call index for {base!r} "
+    "(e.g. {indexed!r})."
+)
+
+
+_SPEC = re.compile(r"((?:\\.|[^\\@:])*)(?:@(\d+))?(?::(input|output))?")
 
 
 def parse(spec: str) -> tuple[str, int | None, str | None]:
-    """Splits ``name@k:port`` into its parts.
+    r"""Splits ``name@k:port`` into its parts.
+
+    A module whose own name holds ``@``, ``:``, ``/`` or ``[`` is written with those
+    characters escaped by a backslash (as `js.boundaries` lists it).
 
     >>> parse("block1/conv@1:input")
     ('block1/conv', 1, 'input')
     >>> parse("head")
     ('head', None, None)
+    >>> parse("a\\:input:output")
+    ('a\\:input', None, 'output')
     """
-    port = None
-    base = spec
-    head, sep, tail = spec.rpartition(":")
-    if sep and tail in PORTS:
-        base, port = head, tail
-    index = None
-    head, sep, tail = base.rpartition("@")
-    if sep and tail.isdigit():
-        base, index = head, int(tail)
-    return base, index, port
+    match = _SPEC.fullmatch(spec)
+    if match is None:
+        return spec, None, None
+    base, index, port = match.groups()
+    return base, int(index) if index is not None else None, port
 
 
 class Resolver:
@@ -68,10 +79,25 @@ class Resolver:
                 f"({type(spec).__name__})."
             )
         base, index, port = parse(spec)
+        self._check_literal(spec, base)
         call = self._pick(spec, base, index)
         if call.loop is not None:
             raise self._in_loop(spec, call)
         return call, port or default_port
+
+    def _check_literal(self, spec: str, base: str) -> None:
+        """A name that is also, written literally, a module's own name is ambiguous."""
+        literal = spec.replace(":", "\\:").replace("@", "\\@")
+        if (
+            literal != spec
+            and "\\" not in spec
+            and literal in self.by_name
+            and base in self.by_name
+        ):
+            indexed = base + "@0" + spec[len(base) :]
+            raise AmbiguousBoundaryError(
+                LITERAL.format(spec=spec, literal=literal, base=base, indexed=indexed)
+            )
 
     def _pick(self, spec: str, base: str, index: int | None) -> Call:
         calls = self.by_name.get(base)
@@ -99,7 +125,9 @@ class Resolver:
 
     def _in_loop(self, spec: str, call: Call) -> BoundaryInLoopError:
         outer = [
-            c.qualname for c in self.graph.calls if c.loop is None and c.start <= call.start < c.stop
+            c.qualname
+            for c in self.graph.calls
+            if c.loop is None and c.start <= call.start < c.stop
         ]
         hint = f", such as {outer[-1]!r}" if outer else ""
         return BoundaryInLoopError(

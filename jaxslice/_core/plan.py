@@ -84,13 +84,18 @@ def plan(
     )
 
 
-def _frame(graph: Graph, start: Any, end: Any) -> Plan:
-    """The ports, arguments and cut of a slice, checked for connectivity."""
+def _frame(graph: Graph, start: Any, end: Any, suggest: bool = True) -> Plan:
+    """The ports, arguments and cut of a slice, checked for connectivity.
+
+    With `suggest`, errors offer fixes that were checked to work (without, they don't:
+    that check is itself a call with ``suggest=False``).
+    """
     resolver = Resolver(graph)
     starts = resolve_starts(graph, resolver, start)
     start_ports = starts or (Port(None, graph.model_input_call(), INPUT),)
     arguments = tuple(a for p in start_ports for a in arguments_of(graph, p))
-    diagnose.check_inputs(arguments)
+    works = (lambda specs: _plannable(graph, specs, end)) if suggest else (lambda specs: False)
+    diagnose.check_inputs(graph, arguments, works)
     ends = resolve_ends(graph, resolver, end)
     output_trees = map_ports(lambda p: port_value_tree(graph, p), ends)
     output_ids = tuple(s.id for s in _slots(output_trees) if s.id is not None)
@@ -104,7 +109,7 @@ def _frame(graph: Graph, start: Any, end: Any) -> Plan:
 def _plannable(graph: Graph, specs: list[Any], end: Any) -> bool:
     """Whether a slice from `specs` to `end` can be made (a suggested fix works)."""
     try:
-        return not _frame(graph, specs, end).cut.missing
+        return not _frame(graph, specs, end, suggest=False).cut.missing
     except SliceError:
         return False
 
@@ -132,30 +137,37 @@ def _finish(graph: Graph, p: Plan) -> Plan:
     result = graph.cut(p.input_ids, outputs) if p.state_ids else p.cut
     has_effects = lambda i: _compat.has_effects(graph.eqns[i].jax_eqn)  # noqa: E731
     result = analysis.effects_inside(graph.program, result, p.input_ids, graph.is_free, has_effects)
+    result, steps = _fold(graph, result, p.input_ids, outputs)
+    used = result.used_free
+    variables = [(v, q) for v, q in zip(graph.variable_ids, graph.variable_paths, strict=True)]
+    variables = [(v, q) for v, q in variables if v in used]
+    return dataclasses.replace(
+        p,
+        cut=result,
+        program=tuple(_step_eqn(graph, step) for step in steps),
+        variable_ids=tuple(v for v, _ in variables),
+        variable_paths=tuple(q for _, q in variables),
+        rng_ids=tuple(v for v in graph.rng_ids if v in used),
+    )
+
+
+def _fold(graph: Graph, result: analysis.Cut, starts: Any, outputs: Any) -> Any:
     spans = [analysis.Span(r.start, r.stop, r.eqn.ins, r.eqn.outs) for r in graph.regions]
-    result, steps = analysis.fold(
+    return analysis.fold(
         graph.program,
         graph.producer,
         spans,
         result,
-        p.input_ids,
+        starts,
         graph.is_free,
         outputs,
         graph.consts.__contains__,
     )
-    program = [graph.eqns[i] if kind == "eqn" else graph.regions[i].eqn for kind, i in steps]
-    used = result.used_free
-    pairs = [
-        (v, q) for v, q in zip(graph.variable_ids, graph.variable_paths, strict=True) if v in used
-    ]
-    return dataclasses.replace(
-        p,
-        cut=result,
-        program=tuple(program),
-        variable_ids=tuple(v for v, _ in pairs),
-        variable_paths=tuple(q for _, q in pairs),
-        rng_ids=tuple(v for v in graph.rng_ids if v in used),
-    )
+
+
+def _step_eqn(graph: Graph, step: tuple[str, int]) -> Any:
+    kind, i = step
+    return graph.eqns[i] if kind == "eqn" else graph.regions[i].eqn
 
 
 def slice_state(

@@ -178,14 +178,13 @@ class SliceProgram:
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any], rngs: Any, mutable: Any
     ) -> tuple[Entry, list[Any]]:
         """The compiled entry for these arguments (tracing it if new), and the input leaves."""
-        keywords = {a.keyword for a in self.base.plan.arguments if a.keyword is not None}
+        keywords = {a.keyword for a in self.base.plan.arguments}
         kw_inputs = {k: v for k, v in kwargs.items() if k in keywords}
         new_mode = {k: v for k, v in kwargs.items() if k not in keywords}
         self._check_mode(new_mode)
         split = self.base.traced.split
-        call = dataclasses.replace(
-            split, mode={**split.mode, **new_mode}, rngs=rngs, mutable=mutable
-        )
+        mode = {**split.mode, **new_mode}
+        call = dataclasses.replace(split, mode=mode, rngs=rngs, mutable=mutable)
         leaves = self._input_leaves(inputs, kw_inputs)
         avals = tuple(abstract(x) for x in leaves)
         key = self._key(avals, call, call.mode)
@@ -218,22 +217,18 @@ class SliceProgram:
 
     def _input_leaves(self, inputs: tuple[Any, ...], kw_inputs: dict[str, Any]) -> list[Any]:
         arguments = self.base.plan.arguments
-        positional = [a for a in arguments if a.keyword is None]
-        if len(inputs) != len(positional):
-            described = ", ".join(a.describe() for a in positional) or "none"
-            raise InputMismatchError(
-                f"This slice takes {len(positional)} positional input(s) ({described}), "
-                f"got {len(inputs)}."
-            )
+        _check_arity(arguments, inputs)
         given = iter(inputs)
         leaves: list[Any] = []
         for arg in arguments:
-            if arg.keyword is not None and arg.keyword not in kw_inputs:
+            if arg.keyword is None:
+                leaves += _argument_leaves(arg, next(given))
+            elif arg.keyword in kw_inputs:
+                leaves += _argument_leaves(arg, kw_inputs[arg.keyword])
+            else:
                 raise InputMismatchError(
                     f"Missing keyword input {arg.keyword!r} ({arg.describe()})."
                 )
-            value = kw_inputs[arg.keyword] if arg.keyword is not None else next(given)
-            leaves += _argument_leaves(arg, value)
         return leaves
 
     def _traced_avals(self, entry: Entry) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -287,12 +282,12 @@ class SliceProgram:
         return picked
 
     def _index_variables(self, entry: Entry, variables: Any, strict: bool) -> list[int]:
-        flat = jax.tree_util.tree_flatten_with_path(variables)[0]
-        position = {p: i for i, (p, x) in enumerate(flat) if is_traced_leaf(x)}
+        position = _array_positions(variables)
+        own = self._own_paths()
         missing = [p for p in entry.plan.variable_paths if p not in position]
-        extra = [p for p in position if p not in self._own_paths()] if strict else []
+        extra = [p for p in position if p not in own] if strict else []
         if missing or extra:
-            lacks = any(p not in self._own_paths() for p in missing)
+            lacks = any(p not in own for p in missing)
             why = _call_differs(self.base.traced.split, entry.traced.split) if lacks else ""
             raise VariablesMismatchError(_structure_message(missing, extra, why))
         return [position[p] for p in entry.plan.variable_paths]
@@ -330,9 +325,29 @@ class SliceProgram:
         unknown = [p for p in updates if p not in known]
         if unknown:
             raise VariablesMismatchError(MERGE_UNKNOWN.format(paths=_paths(unknown)))
-        paths = [p for p in updates if is_traced_leaf(known[p]) or is_traced_leaf(updates[p])]
-        check_leaves(paths, [updates[p] for p in paths], [abstract(known[p]) for p in paths])
+        _check_updates(known, updates)
         return jax.tree_util.tree_unflatten(treedef, [updates.get(p, x) for p, x in flat])
+
+    def input_specs(self, batch: Any = None) -> tuple[list[Any], dict[str, Any]]:
+        """``(args, kwargs)`` of `jax.ShapeDtypeStruct`s the slice takes, as traced.
+
+        With `batch` (a dimension, e.g. symbolic), every input's leading axis is `batch`.
+        """
+        args: list[Any] = []
+        kwargs: dict[str, Any] = {}
+        for arg in self.base.plan.arguments:
+            if any(i is None for i in arg.slot_ids):
+                raise SliceError(FIXED_LEAVES.format(arg=arg.describe()))
+            specs = [
+                _with_batch(a, batch) if batch is not None else a
+                for a in _avals(self.base, arg.slot_ids)
+            ]
+            value = jax.tree_util.tree_unflatten(arg.tree, specs)
+            if arg.keyword is None:
+                args.append(value)
+            else:
+                kwargs[arg.keyword] = value
+        return args, kwargs
 
     # ------------------------------------------------------------------ views
 
@@ -375,6 +390,11 @@ class SliceProgram:
 
 # --------------------------------------------------------------------------- helpers
 
+FIXED_LEAVES = (
+    "The slice's input {arg} holds leaves fixed by the trace (non-arrays or parameters), "
+    "which an exported function cannot take; export a slice whose inputs are arrays, e.g. "
+    "start at an ':output' port."
+)
 NO_COLLECTIONS = (
     "A plain function takes random keys and state as ordinary inputs; `rngs` and "
     "`mutable` apply to Flax models only."
@@ -424,6 +444,28 @@ def check_mutable(plan_: Plan, mutable: Any, has_collections: bool) -> None:
     if mutable and not plan_.state_paths:
         wanted = "any collection" if mutable is True else repr(mutable)
         raise SliceError(NO_STATE.format(wanted=wanted, have=list(plan_.state_collections)))
+
+
+def _check_updates(known: dict[Any, Any], updates: dict[Any, Any]) -> None:
+    """New leaves have the shapes and dtypes of the leaves they replace."""
+    paths = [p for p in updates if is_traced_leaf(known[p]) or is_traced_leaf(updates[p])]
+    check_leaves(paths, [updates[p] for p in paths], [abstract(known[p]) for p in paths])
+
+
+def _array_positions(tree: Any) -> dict[Any, int]:
+    """``{path: leaf index}`` of the array leaves of a pytree."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {p: i for i, (p, x) in enumerate(flat) if is_traced_leaf(x)}
+
+
+def _check_arity(arguments: Any, inputs: tuple[Any, ...]) -> None:
+    positional = [a for a in arguments if a.keyword is None]
+    if len(inputs) != len(positional):
+        described = ", ".join(a.describe() for a in positional) or "none"
+        raise InputMismatchError(
+            f"This slice takes {len(positional)} positional input(s) ({described}), "
+            f"got {len(inputs)}."
+        )
 
 
 def _argument_leaves(arg: Any, value: Any) -> list[Any]:
@@ -480,18 +522,20 @@ def _same_dim(a: Any, b: Any) -> bool:
 
 def _new_batch_size(expected: tuple[Any, ...], got: tuple[Any, ...]) -> Any:
     """The new leading dimension of `got`, None if unchanged; other changes raise."""
-    batch = None
-    for e, g in zip(expected, got, strict=True):
-        same_rest = len(e.shape) == len(g.shape) and all(
-            _same_dim(a, b) for a, b in zip(e.shape[1:], g.shape[1:], strict=True)
-        )
-        if str(e.dtype) != str(g.dtype) or not same_rest:
-            raise InputMismatchError(_mismatch_message(expected, got))
-        if e.shape and not _same_dim(e.shape[0], g.shape[0]):
-            if batch is not None and not _same_dim(batch, g.shape[0]):
-                raise InputMismatchError(_mismatch_message(expected, got))
-            batch = g.shape[0]
-    return batch
+    if not all(_same_but_batch(e, g) for e, g in zip(expected, got, strict=True)):
+        raise InputMismatchError(_mismatch_message(expected, got))
+    pairs = zip(expected, got, strict=True)
+    changed = [g.shape[0] for e, g in pairs if e.shape and not _same_dim(e.shape[0], g.shape[0])]
+    if any(not _same_dim(b, changed[0]) for b in changed):
+        raise InputMismatchError(_mismatch_message(expected, got))
+    return changed[0] if changed else None
+
+
+def _same_but_batch(e: Any, g: Any) -> bool:
+    """Same dtype and shape, except perhaps the leading axis."""
+    if str(e.dtype) != str(g.dtype) or len(e.shape) != len(g.shape):
+        return False
+    return all(_same_dim(a, b) for a, b in zip(e.shape[1:], g.shape[1:], strict=True))
 
 
 def _shapes(avals: tuple[Any, ...]) -> tuple[Any, ...]:

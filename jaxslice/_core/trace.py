@@ -13,9 +13,12 @@ when the adapter allows it. Any exception the model raises while traced becomes 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -59,11 +62,20 @@ def trace(
 
 def stop_specs(start: Any, end: Any) -> list[Any] | None:
     """The names a trace must reach for a slice from `start` to `end` (None: everything)."""
-    ends = [end] if isinstance(end, str) else list(end.values()) if isinstance(end, dict) else end
-    starts = [] if start is None else [start] if isinstance(start, str) else start
-    if end is None or not isinstance(ends, (list, tuple)) or not isinstance(starts, (list, tuple)):
+    ends = _as_list(end)
+    starts = [] if start is None else _as_list(start)
+    if end is None or ends is None or starts is None:
         return None
-    return [s for s in starts if s is not None] + list(ends)
+    return [s for s in starts if s is not None] + ends
+
+
+def _as_list(spec: Any) -> list[Any] | None:
+    """A `start` or `end` as a list of its names; None when it is of another form."""
+    if isinstance(spec, str):
+        return [spec]
+    if isinstance(spec, dict):
+        return list(spec.values())
+    return list(spec) if isinstance(spec, (list, tuple)) else None
 
 
 # Call counts per boundary name of models already traced in full, so that a later trace
@@ -112,18 +124,25 @@ def stop_rule(
     module exactly once; otherwise the whole model is traced, so a repeated call is still
     reported as ambiguous.
     """
-    if ends is None or not adapter.can_stop_early(split):
-        return None
-    if not all(isinstance(spec, str) for spec in ends):
+    if ends is None or not adapter.can_stop_early(split) or not all(map(_is_name, ends)):
         return None
     parsed = [parse(spec) for spec in ends]
     known = _CALL_COUNTS.get(_counts_key(adapter, target, split), {})
     if any(index is None and known.get(base) != 1 for base, index, _ in parsed):
         return None
+    return markers.StopRule(_needs(parsed))
+
+
+def _is_name(spec: Any) -> bool:
+    return isinstance(spec, str)
+
+
+def _needs(parsed: list[tuple[str, int | None, Any]]) -> dict[str, int]:
+    """How many calls of each boundary must have returned (``name@k`` needs k + 1)."""
     needs: dict[str, int] = {}
     for base, index, _ in parsed:
         needs[base] = max(needs.get(base, 0), (index or 0) + 1)
-    return markers.StopRule(needs)
+    return needs
 
 
 @dataclasses.dataclass
@@ -153,16 +172,51 @@ def trace_split(adapter: Adapter, target: Any, split: Split, stop_at: Any = None
     """Traces a target from an existing split (new shapes, a new mode, ...)."""
     began = time.perf_counter()
     try:
-        graph = _trace_once(adapter, target, split, split.mutable, stop_at)
+        graph = _trace_deep(adapter, target, split, split.mutable, stop_at)
     except ModelTraceError as error:
         wider = adapter.wider_mutable(split, error.__cause__)
         if wider is None:
             raise
-        graph = _trace_once(adapter, target, split, wider, stop_at)
+        graph = _trace_deep(adapter, target, split, wider, stop_at)
     _remember_counts(_counts_key(adapter, target, split), graph)
     counts = adapter.parameter_counts(split.variables)
     seconds = time.perf_counter() - began
     return Traced(graph, adapter, target, split, counts, seconds, graph.build_seconds)
+
+
+# Marking adds two Python frames per module level, so a model nested nearly as deep as
+# Python's recursion limit allows (linen handles about 150 levels) can overflow while
+# jaxslice traces it. Such a trace is retried once with a higher limit, which is restored
+# when the last deep trace ends (traces in other threads may overlap).
+_DEEP_LIMIT = 20_000
+_deep = {"users": 0, "saved": 0}
+_DEEP_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _deeper_stack() -> Iterator[None]:
+    with _DEEP_LOCK:
+        if _deep["users"] == 0:
+            _deep["saved"] = sys.getrecursionlimit()
+            sys.setrecursionlimit(max(_deep["saved"], _DEEP_LIMIT))
+        _deep["users"] += 1
+    try:
+        yield
+    finally:
+        with _DEEP_LOCK:
+            _deep["users"] -= 1
+            if _deep["users"] == 0:
+                sys.setrecursionlimit(_deep["saved"])
+
+
+def _trace_deep(adapter: Adapter, target: Any, split: Split, mutable: Any, stop_at: Any) -> Graph:
+    try:
+        return _trace_once(adapter, target, split, mutable, stop_at)
+    except ModelTraceError as error:
+        if not isinstance(error.__cause__, RecursionError):
+            raise
+    with _deeper_stack():
+        return _trace_once(adapter, target, split, mutable, stop_at)
 
 
 def _trace_once(adapter: Adapter, target: Any, split: Split, mutable: Any, stop_at: Any) -> Graph:
@@ -217,11 +271,10 @@ def _trace_once(adapter: Adapter, target: Any, split: Split, mutable: Any, stop_
 def _outputs(adapter: Adapter, out: Any, state: Any, info: dict[str, Any]) -> Any:
     """The program's results (output arrays, state arrays); the rest goes into `info`."""
     leaves, info["tree"] = jax.tree_util.tree_flatten(out)
-    mask = [is_traced_leaf(x) for x in leaves]
-    info["statics"] = {i: x for i, (x, m) in enumerate(zip(leaves, mask, strict=True)) if not m}
+    info["statics"] = {i: x for i, x in enumerate(leaves) if not is_traced_leaf(x)}
     state_flat = [(p, x) for p, x in adapter.flatten_state(state) if is_traced_leaf(x)]
     info["state_paths"] = [p for p, _ in state_flat]
-    return [x for x, m in zip(leaves, mask, strict=True) if m], [x for _, x in state_flat]
+    return [x for x in leaves if is_traced_leaf(x)], [x for _, x in state_flat]
 
 
 def _model_error(

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from .._trees import is_traced_leaf, path_names
+from .._trees import is_traced_leaf, join_name, path_names
 
 
 @dataclasses.dataclass
@@ -172,7 +172,7 @@ def count_by_prefix(flat: dict[tuple[str, ...], int]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for path, size in flat.items():
         for k in range(len(path) + 1):
-            key = "/".join(path[:k])
+            key = join_name(path[:k])
             counts[key] = counts.get(key, 0) + size
     return counts
 

@@ -21,6 +21,13 @@ from .._core.graph import innermost
 from .._errors import SliceError
 from ._nnx_state import get_value, set_value
 
+NOT_COPYABLE = (
+    "An NNX slice shares the model's variables and holds compiled programs, so it cannot "
+    "be pickled or deep-copied. Save the model's state instead (`nnx.state(model)`, e.g. "
+    "with orbax) and the recipe (start, end, sample input shapes); after loading the "
+    "model, slice it again."
+)
+
 
 class _Static:
     """Data an NNX graph must treat as static: compared and hashed by identity."""
@@ -150,6 +157,12 @@ class SlicedModule(nnx.Module):
         for path, var in zip(meta.loose_paths, self.loose, strict=True):
             found[path] = var
         return found
+
+    def __reduce__(self) -> Any:
+        raise SliceError(NOT_COPYABLE)
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise SliceError(NOT_COPYABLE)
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         program = self._jaxslice.program

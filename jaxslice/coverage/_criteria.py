@@ -53,13 +53,29 @@ class Criterion:
         raise NotImplementedError
 
 
+class _Flags(Criterion):
+    """A criterion whose state is one boolean array per key (one flag per neuron by
+    default), each flag set once some input covers it."""
+
+    def init(self, sizes: list[int]) -> Any:
+        return [jnp.zeros((n,), bool) for n in sizes]
+
+    def counts(self, state):
+        return [(jnp.sum(s), s.size) for s in state]
+
+
+def _is_number(x: Any, types: type | tuple[type, ...]) -> bool:
+    """Whether `x` is an instance of `types` (bools, although ints, are not numbers here)."""
+    return isinstance(x, types) and not isinstance(x, bool)
+
+
 def _check_int(name: str, k: Any) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    if not _is_number(k, int) or k < 1:
         raise InvalidSpecError(f"{name} must be a positive integer, got {k!r}.")
     return k
 
 
-class NC(Criterion):
+class NC(_Flags):
     """Neuron coverage (DeepXplore).
 
     For each input, the layer's whole output is min-max scaled to [0, 1] over all its
@@ -77,22 +93,12 @@ class NC(Criterion):
     needs_scaled = True
 
     def __init__(self, threshold: float = 0.5):
-        if (
-            isinstance(threshold, bool)
-            or not isinstance(threshold, (int, float))
-            or not 0 <= threshold < 1
-        ):
+        if not _is_number(threshold, (int, float)) or not 0 <= threshold < 1:
             raise InvalidSpecError(f"NC threshold must be a number in [0, 1), got {threshold!r}.")
         self.threshold = float(threshold)
 
-    def init(self, sizes: list[int]) -> Any:
-        return [jnp.zeros((n,), bool) for n in sizes]
-
     def update(self, state, values, scaled, profile):
         return [s | jnp.any(v > self.threshold, axis=0) for s, v in zip(state, scaled, strict=True)]
-
-    def counts(self, state):
-        return [(jnp.sum(s), s.size) for s in state]
 
 
 def _kmnc_sections(v: Any, low: Any, high: Any, k: int) -> Any:
@@ -104,7 +110,7 @@ def _kmnc_sections(v: Any, low: Any, high: Any, k: int) -> Any:
     return jax.nn.one_hot(idx, k, dtype=bool) & inside[..., None]
 
 
-class KMNC(Criterion):
+class KMNC(_Flags):
     """k-multisection neuron coverage (DeepGauge).
 
     [low_n, high_n] is split into k sections of equal width; a neuron's section is covered
@@ -130,9 +136,6 @@ class KMNC(Criterion):
             for s, v, p in zip(state, values, profile, strict=True)
         ]
 
-    def counts(self, state):
-        return [(jnp.sum(s), s.size) for s in state]
-
 
 class NBC(Criterion):
     """Neuron boundary coverage (DeepGauge).
@@ -156,24 +159,18 @@ class NBC(Criterion):
         return [(jnp.sum(up) + jnp.sum(lo), 2 * up.size) for up, lo in state]
 
 
-class SNAC(Criterion):
+class SNAC(_Flags):
     """Strong neuron activation coverage (DeepGauge): |{n: some φ > high_n}| / |N|."""
 
     needs_profile = True
-
-    def init(self, sizes):
-        return [jnp.zeros((n,), bool) for n in sizes]
 
     def update(self, state, values, scaled, profile):
         return [
             s | jnp.any(v > p.high, axis=0) for s, v, p in zip(state, values, profile, strict=True)
         ]
 
-    def counts(self, state):
-        return [(jnp.sum(s), s.size) for s in state]
 
-
-class TKNC(Criterion):
+class TKNC(_Flags):
     """Top-k neuron coverage (DeepGauge).
 
     A neuron is covered when, for some input, it is among the k largest values of its
@@ -188,9 +185,6 @@ class TKNC(Criterion):
     def __init__(self, k: int = 2):
         self.k = _check_int("TKNC k", k)
 
-    def init(self, sizes):
-        return [jnp.zeros((n,), bool) for n in sizes]
-
     def update(self, state, values, scaled, profile):
         out = []
         for s, v in zip(state, values, strict=True):
@@ -198,9 +192,6 @@ class TKNC(Criterion):
             kth = jax.lax.top_k(v, k)[0][:, -1:]
             out.append(s | jnp.any(v >= kth, axis=0))
         return out
-
-    def counts(self, state):
-        return [(jnp.sum(s), s.size) for s in state]
 
 
 class SignSign(Criterion):

@@ -20,10 +20,9 @@ from typing import Any
 import jax
 
 from .. import _compat
-from .._table import format_rows
 from .._errors import InvalidSpecError, SliceError
-from ..observe import Moments
-from ..observe import GRANULARITIES, Observer, neurons, scaled
+from .._table import format_rows
+from ..observe import GRANULARITIES, Moments, Observer, neurons, scaled
 from ._criteria import KMNC, NBC, NC, SNAC, TKNC, Criterion
 
 _PROFILE, _UPDATE = 0, 1

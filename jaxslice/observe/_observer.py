@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 
 from .. import _compat
-from .._table import describe
 from .._core.names import Resolver
 from .._core.ports import ActivationOf, single_output_id
 from .._core.program import SliceProgram, check_leaves
 from .._core.trace import Traced, trace
 from .._errors import InputMismatchError, InvalidSpecError
+from .._table import describe
 from .._trees import abstract, is_traced_leaf
 
 GRANULARITIES = ("channel", "element")
@@ -77,7 +77,9 @@ def _array_leaves(tree: Any) -> list[Any]:
 
 def _matches(x: Any, sample: Any) -> bool:
     """Whether a batch leaf has the sample leaf's rank, non-batch shape and dtype."""
-    same_shape = jnp.ndim(x) == len(sample.shape) and tuple(jnp.shape(x)[1:]) == tuple(sample.shape[1:])
+    same_shape = jnp.ndim(x) == len(sample.shape) and tuple(jnp.shape(x)[1:]) == tuple(
+        sample.shape[1:]
+    )
     return same_shape and jnp.result_type(x) == sample.dtype
 
 
@@ -140,7 +142,9 @@ class Observer:
             return self.program.variable_leaves(entry, self.variables, strict=False)
         leaves = [live[p] for p in entry.plan.variable_paths]
         graph = entry.traced.graph
-        check_leaves(entry.plan.variable_paths, leaves, [graph.avals[v] for v in entry.plan.variable_ids])
+        check_leaves(
+            entry.plan.variable_paths, leaves, [graph.avals[v] for v in entry.plan.variable_ids]
+        )
         return leaves
 
     def _inputs(self, batch: Any) -> tuple[Any, ...]:
@@ -184,7 +188,9 @@ _compat.register_frames_exclusion(__file__)
 def _ordered_layers(traced: Traced, layers: Any) -> list[str]:
     """`layers` checked, without repeats, in call order."""
     if isinstance(layers, str) or not all(isinstance(n, str) for n in layers):
-        raise InvalidSpecError(f"`layers` must be a list of boundary names or None, got {layers!r}.")
+        raise InvalidSpecError(
+            f"`layers` must be a list of boundary names or None, got {layers!r}."
+        )
     resolver = Resolver(traced.graph)
     order = {}
     for name in layers:
