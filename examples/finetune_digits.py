@@ -20,6 +20,7 @@ seconds, ``--steps N`` to set the number of fine-tuning steps).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 import time
@@ -175,10 +176,13 @@ def main(argv=None) -> None:
 
     # 3. Fine-tune only the tail on digits 5-9 (labels 5-9 of the 10-way head).
     tx = optax.adam(3e-3)
-    sub_vars = tail.variables
+    # `tail.variables` are the model's own arrays. The step donates its inputs (their
+    # buffers are reused for the outputs), so train a copy: donating the originals would
+    # delete the model's parameters too.
+    sub_vars = jax.tree.map(jnp.copy, tail.variables)
     opt_state = tx.init(sub_vars["params"])
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def finetune_step(sub_vars, opt_state, fb, yb):
         def loss_fn(params):
             logits, upd = tail.apply(

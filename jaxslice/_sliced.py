@@ -14,11 +14,12 @@ from typing import Any
 import jax
 
 from . import _compat
-from ._core.program import BuildInfo, SliceProgram
-from ._trees import abstract_tree, nest, path_str
+from ._core.program import SliceProgram
+from ._core.view import ProgramView
+from ._trees import abstract_tree, nest
 
 
-class Sliced:
+class Sliced(ProgramView):
     """A sub-network between named boundaries, as a standalone jit-compiled function.
 
     Create one with `js.slice`. Call it as ``sub(*inputs)`` with its own variables, or
@@ -38,35 +39,12 @@ class Sliced:
     def __init__(self, program: SliceProgram):
         self._program = program
 
-    @property
-    def start(self) -> Any:
-        return self._program.start
-
-    @property
-    def end(self) -> Any:
-        return self._program.end
+    def _slice_program(self) -> SliceProgram:
+        return self._program
 
     @property
     def variables(self) -> Any:
         return self._program.variables
-
-    @property
-    def build_info(self) -> BuildInfo:
-        return self._program.build_info
-
-    @property
-    def shared_variables(self) -> list[str]:
-        """Paths of `variables` that the model also reads outside the slice (tied weights).
-
-        Gradients of the slice cover its own use of them only, and `merge` changes every
-        use.
-        """
-        return [path_str(p) for p in self._program.shared_paths()]
-
-    @property
-    def jaxpr(self) -> Any:
-        """The re-emitted program (a closed jaxpr) for the shapes it was sliced with."""
-        return self._program.jaxpr
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         return self.apply(self.variables, *inputs, **kwargs)
@@ -158,37 +136,6 @@ class Sliced:
         else:
             fn = lambda *inputs, **kw: self.apply(self.variables, *inputs, **kw)  # noqa: E731
         return jax.export.export(jax.jit(fn), platforms=platforms)(*args, **kwargs)
-
-    # ------------------------------------------------------------------ views
-
-    def to_networkx(self, depth: int | None = None) -> Any:
-        """The module-level DAG of the model, nodes marked ``in_slice`` (a networkx DiGraph).
-
-        Args:
-          depth: the deepest module path level shown; deeper calls fold into their parent.
-        """
-        from .render import slice_graph
-
-        return slice_graph(self._program, depth, whole=False)
-
-    def to_dot(self, depth: int | None = None, annotations: dict[str, Any] | None = None) -> str:
-        """Graphviz DOT source of the model with this slice's region highlighted.
-
-        Args:
-          depth: the deepest module path level drawn (clusters collapse below it).
-          annotations: ``{boundary name: value}`` drawn on the nodes (e.g. coverage).
-        """
-        from .render import to_dot
-
-        return to_dot(self.to_networkx(depth), annotations=annotations)
-
-    def render(
-        self, path: Any, depth: int | None = None, annotations: dict[str, Any] | None = None
-    ) -> str:
-        """Renders `to_dot` to an SVG/PNG/PDF file with Graphviz's `dot` (by suffix)."""
-        from .render import render_dot
-
-        return render_dot(self.to_dot(depth, annotations), path)
 
     def __repr__(self) -> str:
         return f"Sliced({self._program.summary()})"

@@ -232,14 +232,15 @@ def _trace_once(adapter: Adapter, target: Any, split: Split, mutable: Any, stop_
         rule = stop_rule(adapter, target, split, stop_at)
         try:
             with markers.marking(rule) as info["failed"]:
-                out, state = adapter.call(
-                    target,
-                    rebuild_variables(variables.merge(var_a)),
-                    rngs.rebuild(rng_a),
-                    call_args,
-                    {**call_kwargs, **split.mode},
-                    mutable,
+                call = Split(
+                    variables=rebuild_variables(variables.merge(var_a)),
+                    rngs=rngs.rebuild(rng_a),
+                    args=call_args,
+                    kwargs={**call_kwargs, **split.mode},
+                    mode=split.mode,
+                    mutable=mutable,
                 )
+                out, state = adapter.call(target, call)
         except markers.StopTracing as stop:
             info["partial"] = True
             out, state = (), stop.state

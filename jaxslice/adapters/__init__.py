@@ -15,8 +15,8 @@ from ._nnx import NNXAdapter
 from ._plain import PlainAdapter
 
 # Tried in order: each kind's `accepts` looks at the target without importing libraries
-# the user has not imported.
-_KINDS = (LinenAdapter, NNXAdapter)
+# the user has not imported; a plain function is the last resort.
+_KINDS = (LinenAdapter, NNXAdapter, PlainAdapter)
 
 
 def adapter_for(target: Any) -> Adapter:
@@ -24,8 +24,6 @@ def adapter_for(target: Any) -> Adapter:
     for kind in _KINDS:
         if kind.accepts(target):
             return kind()
-    if callable(target):
-        return PlainAdapter()
     raise UnsupportedTargetError(UnsupportedTargetError.TEMPLATE.format(kind=type(target).__name__))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -41,20 +42,26 @@ class Adapter:
     #: whether calls take linen's `rngs=` and `mutable=`
     has_collections: bool = False
 
+    #: ``(module, class)`` of the models this adapter takes, or None for any callable
+    model_class: tuple[str, str] | None = None
+
+    @classmethod
+    def accepts(cls, target: Any) -> bool:
+        """Whether `target` is this kind of model. The model library is not imported: a
+        target of its class exists only if the user imported it."""
+        if cls.model_class is None:
+            return callable(target)
+        module = sys.modules.get(cls.model_class[0])
+        return module is not None and isinstance(target, getattr(module, cls.model_class[1]))
+
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         raise NotImplementedError
 
-    def call(
-        self,
-        target: Any,
-        variables: Any,
-        rngs: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        mutable: Any,
-    ) -> tuple[Any, Any]:
+    def call(self, target: Any, call: Split) -> tuple[Any, Any]:
         """Runs the model with its module calls marked (marking is already switched on).
 
+        `call` holds the traced values: variables, rngs, inputs, and in `kwargs` the
+        keyword inputs and the mode; `mutable` as the trace asks for it.
         Returns ``(output, updated_state)``; the state is None unless `mutable` is set.
         """
         raise NotImplementedError

@@ -15,7 +15,6 @@ linen's ``apply`` would.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,11 +58,7 @@ def _params(variables: Any) -> Any:
 
 class LinenAdapter(Adapter):
     has_collections = True
-
-    @staticmethod
-    def accepts(target: Any) -> bool:
-        linen = sys.modules.get("flax.linen")
-        return linen is not None and isinstance(target, linen.Module)
+    model_class = ("flax.linen", "Module")
 
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         if not args:
@@ -74,21 +69,15 @@ class LinenAdapter(Adapter):
         inputs, mode = split_kwargs(kwargs)
         return Split(args[0], rngs, tuple(args[1:]), inputs, mode, mutable)
 
-    def call(
-        self,
-        target: Any,
-        variables: Any,
-        rngs: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        mutable: Any,
-    ) -> tuple[Any, Any]:
+    def call(self, target: Any, call: Split) -> tuple[Any, Any]:
         import flax.linen as nn
 
-        extra = {} if rngs is None else {"rngs": rngs}
+        extra = {} if call.rngs is None else {"rngs": call.rngs}
         with nn.intercept_methods(_interceptor):
-            result = target.apply(variables, *args, **extra, mutable=mutable, **kwargs)
-        return result if mutable else (result, None)
+            result = target.apply(
+                call.variables, *call.args, **extra, mutable=call.mutable, **call.kwargs
+            )
+        return result if call.mutable else (result, None)
 
     def can_stop_early(self, split: Split) -> bool:
         return not split.mutable  # updated state is returned only at the end

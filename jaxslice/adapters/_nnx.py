@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -127,11 +126,7 @@ EDIT_REFUSAL = (
 
 class NNXAdapter(Adapter):
     state_includes_variables = True
-
-    @staticmethod
-    def accepts(target: Any) -> bool:
-        nnx = sys.modules.get("flax.nnx")
-        return nnx is not None and isinstance(target, nnx.Module)
+    model_class = ("flax.nnx", "Module")
 
     def can_stop_early(self, split: Split) -> bool:
         return True
@@ -197,18 +192,11 @@ class NNXAdapter(Adapter):
     def flatten_state(self, state: Any) -> list[tuple[Any, Any]]:
         return state
 
-    def call(
-        self,
-        target: Any,
-        variables: Any,
-        rngs: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        mutable: Any,
-    ) -> tuple[Any, Any]:
+    def call(self, target: Any, call: Split) -> tuple[Any, Any]:
         from flax import nnx
 
-        model, graphdef = variables
+        model, graphdef = call.variables
+        args, kwargs = call.args, call.kwargs
         before = _static_attributes(model)
         try:
             with marked_calls(model):

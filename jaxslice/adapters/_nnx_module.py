@@ -18,6 +18,7 @@ from flax import nnx
 
 from .. import _compat
 from .._core.graph import innermost
+from .._core.view import ProgramView
 from .._errors import SliceError
 from ._nnx_state import get_value, set_value
 
@@ -36,7 +37,7 @@ class _Static:
         self.__dict__.update(fields)
 
     def __repr__(self) -> str:
-        return f"<jaxslice slice {self.start!r} -> {self.end!r}>"
+        return f"<jaxslice slice {self.program.start!r} -> {self.program.end!r}>"
 
 
 def _held(root: Any, program: Any) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
@@ -87,7 +88,7 @@ def _ids(slots: Any) -> set[int]:
     return {s.id for s in slots if s.id is not None}
 
 
-class SlicedModule(nnx.Module):
+class SlicedModule(ProgramView, nnx.Module):
     """A slice of an NNX model, itself an `nnx.Module` sharing the model's variables.
 
     Create one with ``js.slice(model, *inputs, start=..., end=...)``. Calling it runs
@@ -105,47 +106,10 @@ class SlicedModule(nnx.Module):
             root=root,
             part_paths=part_paths,
             loose_paths=loose_paths,
-            start=program.start,
-            end=program.end,
         )
 
-    @property
-    def start(self) -> Any:
-        return self._jaxslice.start
-
-    @property
-    def end(self) -> Any:
-        return self._jaxslice.end
-
-    @property
-    def jaxpr(self) -> Any:
-        """The re-emitted program for the shapes and mode it was sliced with."""
-        return self._jaxslice.program.jaxpr
-
-    @property
-    def build_info(self) -> Any:
-        """How the slice was built; see `js.BuildInfo`."""
-        return self._jaxslice.program.build_info
-
-    def to_networkx(self, depth: int | None = None) -> Any:
-        """The model's module-level DAG with this slice marked; see `js.Sliced.to_networkx`."""
-        from ..render import slice_graph
-
-        return slice_graph(self._jaxslice.program, depth, whole=False)
-
-    def to_dot(self, depth: int | None = None, annotations: dict[str, Any] | None = None) -> str:
-        """DOT source with this slice highlighted; see `js.Sliced.to_dot`."""
-        from ..render import to_dot
-
-        return to_dot(self.to_networkx(depth), annotations=annotations)
-
-    def render(
-        self, path: Any, depth: int | None = None, annotations: dict[str, Any] | None = None
-    ) -> str:
-        """Renders `to_dot` with Graphviz's `dot`; see `js.Sliced.render`."""
-        from ..render import render_dot
-
-        return render_dot(self.to_dot(depth, annotations), path)
+    def _slice_program(self) -> Any:
+        return self._jaxslice.program
 
     def _variables_by_path(self) -> dict[tuple[Any, ...], Any]:
         meta = self._jaxslice

@@ -84,16 +84,8 @@ class PlainAdapter(Adapter):
         inputs, mode = split_kwargs(kwargs)
         return Split(variables=args[0], rngs=None, args=tuple(args[1:]), kwargs=inputs, mode=mode)
 
-    def call(
-        self,
-        target: Any,
-        variables: Any,
-        rngs: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        mutable: Any,
-    ) -> tuple[Any, Any]:
-        return target(variables, *args, **kwargs), None
+    def call(self, target: Any, call: Split) -> tuple[Any, Any]:
+        return target(call.variables, *call.args, **call.kwargs), None
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
         return keywords_of(target)
