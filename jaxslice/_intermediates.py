@@ -91,7 +91,7 @@ def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> 
             _PROGRAMS.put(key, program)
     split = program.adapter.split(target, args, kwargs)
     values, state = program.apply_full(split)
-    if not split.mutable or program.adapter.live_variables(target) is not None:
+    if not split.mutable or program.adapter.holds_variables:
         return values
     return values, nest([p for p, _ in state], [v for _, v in state])
 

@@ -89,7 +89,7 @@ class SliceProgram:
             len(traced.graph.eqns),
             traced.graph.partial,
         )
-        holds = self.adapter.live_variables(self.target) is not None
+        holds = self.adapter.holds_variables
         split = traced.split
         paths = set(self.base.plan.variable_paths)
         self.variables = None if holds else prune(split.variables, paths)
@@ -142,20 +142,22 @@ class SliceProgram:
         """
         kwargs = {**split.kwargs, **split.mode}
         entry, leaves = self.lookup(split.args, kwargs, split.rngs, split.mutable)
-        live = self.adapter.live_variables(self.target)
-        if live is None:
-            var_leaves = self.variable_leaves(entry, split.variables, strict=False)
-        else:
-            var_leaves = [live[p] for p in entry.plan.variable_paths]
-            check_leaves(
-                entry.plan.variable_paths, var_leaves, _avals(entry, entry.plan.variable_ids)
-            )
+        var_leaves = self.model_variable_leaves(entry, split.variables)
         rng_leaves = self.rng_leaves(entry, split.rngs)
         out = self.run(entry, var_leaves, rng_leaves, leaves, split.mutable)
         values, state = out if split.mutable else (out, [])
-        if live is not None:
-            self.adapter.write_back(self.target, state)
+        self.adapter.write_back(self.target, state)
         return values, state
+
+    def model_variable_leaves(self, entry: Entry, variables: Any) -> list[Any]:
+        """The leaves an entry reads, from the model's full variables (or, for a model
+        that holds its variables, from the model as it is now)."""
+        if not self.adapter.holds_variables:
+            return self.variable_leaves(entry, variables, strict=False)
+        live = self.adapter.live_variables(self.target)
+        leaves = [live[p] for p in entry.plan.variable_paths]
+        check_leaves(entry.plan.variable_paths, leaves, _avals(entry, entry.plan.variable_ids))
+        return leaves
 
     def run(
         self,

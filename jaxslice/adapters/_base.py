@@ -41,6 +41,8 @@ class Adapter:
     state_includes_variables: bool = False
     #: whether calls take linen's `rngs=` and `mutable=`
     has_collections: bool = False
+    #: whether the model holds its variables (read with `live_variables`, not passed)
+    holds_variables: bool = False
 
     #: ``(module, class)`` of the models this adapter takes, or None for any callable
     model_class: tuple[str, str] | None = None

@@ -126,6 +126,7 @@ EDIT_REFUSAL = (
 
 class NNXAdapter(Adapter):
     state_includes_variables = True
+    holds_variables = True
     model_class = ("flax.nnx", "Module")
 
     def can_stop_early(self, split: Split) -> bool:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from .. import _compat
 from .._core.names import Resolver
 from .._core.ports import ActivationOf, single_output_id
-from .._core.program import SliceProgram, check_leaves
+from .._core.program import SliceProgram
 from .._core.trace import Traced, trace
 from .._errors import InputMismatchError, InvalidSpecError
 from .._table import describe
@@ -136,17 +136,6 @@ class Observer:
         leaves = _array_leaves(self._inputs(batch))
         return int(jnp.shape(leaves[0])[0]) if leaves and jnp.ndim(leaves[0]) else 1
 
-    def _variable_leaves(self, entry: Any) -> list[Any]:
-        live = self.program.adapter.live_variables(self.target)
-        if live is None:
-            return self.program.variable_leaves(entry, self.variables, strict=False)
-        leaves = [live[p] for p in entry.plan.variable_paths]
-        graph = entry.traced.graph
-        check_leaves(
-            entry.plan.variable_paths, leaves, [graph.avals[v] for v in entry.plan.variable_ids]
-        )
-        return leaves
-
     def _inputs(self, batch: Any) -> tuple[Any, ...]:
         args = batch if isinstance(batch, tuple) else (batch,)
         leaves = _array_leaves(args)
@@ -168,7 +157,7 @@ class Observer:
         args = self._inputs(batch)
         mutable = self.program.base.traced.split.mutable
         entry, leaves = self.program.lookup(args, {}, self.rngs, mutable)
-        var_leaves = self._variable_leaves(entry)
+        var_leaves = self.program.model_variable_leaves(entry, self.variables)
         rng_leaves = self.program.rng_leaves(entry, self.rngs)
         steps = entry.__dict__.setdefault("observer_steps", {})
         step = steps.get(key)
