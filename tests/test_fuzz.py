@@ -6,7 +6,14 @@ modules returning tuples, modules taking a keyword argument, a shared module cal
 several times, a module with methods other than ``__call__``, nested blocks written in
 ``compact`` or ``setup`` style, some under ``nn.remat``/``nn.jit``, ``jax.checkpoint``
 and ``jax.jit`` regions between blocks, residual adds, concatenations, skips from
-earlier blocks) with one or more outputs (an array, a tuple or a dict).
+earlier blocks) with one or more outputs (an array, a tuple or a dict). Extended models
+(``generate(seed, extra=True)``; old seeds give the same plain models as before) add
+running averages that update ``batch_stats`` only ``if train and not
+self.is_mutable_collection("params")`` (the model is applied, and sliced, with
+``mutable=["batch_stats"]``), modules returning ``(h, aux)`` whose aux values the parent
+collects into a tuple output (``return h, (aux1, aux2)``, also from nested blocks), and
+blocks called with containers of earlier activations (``block(x, {"skip": e})``,
+``block(x, ctx={"skip": e})``, ``block((x, e))``).
 
 The oracle never asks jaxslice anything. The generated model records, while Flax runs it
 (jitted), every value it computes under an id of the generator's own value DAG: which
@@ -25,25 +32,36 @@ depends on the start) and what it must return. Then:
 3. pairs that are not valid slices (the end does not depend on the start, or needs a
    value from before the start that is not given) raise `js.SliceError`, never return.
    Borderline pairs (a start that is not needed, the same value given twice) may raise
-   or return, but never a wrong value.
+   or return, but never a wrong value;
+4. stateful models: every slice holding state, applied with ``mutable=["batch_stats"]``,
+   returns the new state ``model.apply`` returned for its own modules; without
+   ``mutable`` a slice whose output needs an update raises, and with ``mutable=True``
+   the model takes its no-update branch, as in ``model.apply``;
+5. threads: random valid slices, the boundary list and ``js.intermediates`` built and
+   called from 4 threads at once give bit-identical results to one thread.
 
 A few models run by default. The large run (hundreds of models) runs only when
 selected: ``pytest -m fuzz_large tests/test_fuzz.py`` (or ``JAXSLICE_FUZZ_LARGE=1``);
-``JAXSLICE_FUZZ_N`` sets how many models, ``JAXSLICE_FUZZ_SEED0`` the first seed and
-``JAXSLICE_FUZZ_SEEDS=3,17`` replays chosen seeds. A failing model's seed is in the
-failure message; ``describe(generate(seed))`` prints its source-like description.
+``JAXSLICE_FUZZ_N`` sets how many seeds, ``JAXSLICE_FUZZ_SEED0`` the first seed,
+``JAXSLICE_FUZZ_SEEDS=3,17`` replays chosen seeds and ``JAXSLICE_FUZZ_EXTRA`` picks plain
+(``0``), extended (``1``) or both (``both``, the default) models per seed; every tenth
+seed also runs the thread check. A failing model's seed is in the failure message;
+``describe(generate(seed, extra))`` prints its source-like description.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
 import random
+import threading
 import time
 import traceback
 from typing import Any
 
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -51,6 +69,7 @@ import numpy as np
 import pytest
 from conftest import (
     assert_trees_all_close,
+    assert_trees_equal,
     assert_variables_are_subset_of,
     expected_variable_paths,
     leaf_paths,
@@ -108,6 +127,13 @@ class GraphSpec:
     style: str  # "compact" or "setup"
     instances: tuple[Instance, ...] = ()
     transform: str = "none"  # nested blocks: "none", "remat" (nn.remat) or "jit" (nn.jit)
+    # Extended models (`generate(seed, extra=True)`) only:
+    pack: str = "none"  # nested blocks: arguments in a container, see `_pack`
+    n_aux: int = 0  # out_form "aux": the last n_aux outputs, collected in a tuple
+    out_kinds: tuple[str, ...] = ()  # "vec", "aux", ... of each output
+    # (seed, extra) of the model: blocks of different models are never equal, so nn.jit
+    # never replays another model's trace (the recording needs its Python body to run).
+    tag: Any = None
 
 
 # --------------------------------------------------------------------------- recording
@@ -137,6 +163,7 @@ class Recorder:
         self.model_out: Any = None
         self.opaque = 0  # > 0 inside a block under nn.remat or nn.jit
         self.producer: dict[int, str] = {}  # value id -> path of the leaf module computing it
+        self.updating: set[str] = set()  # paths of the modules that update state (train mode)
 
     def new(self, value: Any, parents: tuple[int, ...]) -> int:
         """A new value of the DAG. Values computed inside nn.remat/nn.jit are tracers of
@@ -178,63 +205,67 @@ def _glue(value: Any, parents: list[V]) -> V:
 
 
 def _invoke(
-    module: nn.Module, base: str, method: str, args: list[V], kwargs: dict[str, V], how: str
+    module: nn.Module, base: str, method: str, args: list[Any], kwargs: dict[str, Any], how: str
 ) -> Any:
-    """Calls a submodule method; returns its result as a V or a tuple of Vs.
+    """Calls a submodule method; returns its result as a V or a (nested) tuple of Vs.
+    Arguments are Vs or containers of Vs.
 
     `how` says what the generator knows about the result: "new" (a new value computed
     from all the arguments), "same" (the first argument itself) or "custom" (the callee
     records its own values and leaves the result's ids on the result stack).
     """
     fn = getattr(module, method)
-    raw_args = [a.value for a in args]
-    raw_kwargs = {k: v.value for k, v in kwargs.items()}
+    raw_args = [_values(a) for a in args]
+    raw_kwargs = {k: _values(v) for k, v in kwargs.items()}
     rec = _REC
     if rec is None:
-        out = fn(*raw_args, **raw_kwargs)
-        return tuple(V(None, o) for o in out) if isinstance(out, tuple) else V(None, out)
+        return jax.tree_util.tree_map(lambda o: V(None, o), fn(*raw_args, **raw_kwargs))
     k = rec.counts.get(base, 0)
     rec.counts[base] = k + 1
-    call = CallRec(base, k, [a.id for a in args], {n: v.id for n, v in kwargs.items()})
+    if isinstance(module, RunningAvg) and module.train:
+        rec.updating.add(base)
+    call = CallRec(base, k, [_ids(a) for a in args], {n: _ids(v) for n, v in kwargs.items()})
     rec.calls.append(call)
     if how in ("custom", "transformed"):
         rec.arg_stack.append((call.args, call.kwargs))
     out = fn(*raw_args, **raw_kwargs)
     if how == "new":
-        ids = rec.new(out, tuple(call.args) + tuple(call.kwargs.values()))
+        ids = rec.new(out, tuple(jax.tree_util.tree_leaves((call.args, call.kwargs))))
         rec.producer[ids] = base
     elif how == "same":
         ids = call.args[0]
     else:
         ids = rec.result_stack.pop()
         if how == "transformed":  # the block's results, as values of the outer trace
-            if isinstance(out, tuple):
-                ids = tuple(rec.new(o, (i,)) for i, o in zip(ids, out, strict=True))
-            else:
-                ids = rec.new(out, (ids,))
+            ids = jax.tree_util.tree_map(lambda i, o: rec.new(o, (i,)), ids, out)
     call.out = ids
-    if isinstance(out, tuple):
-        return tuple(V(i, o) for i, o in zip(ids, out, strict=True))
-    return V(ids, out)
+    return jax.tree_util.tree_map(V, ids, out)
 
 
-def _custom_args(values: tuple[Any, ...]) -> list[V]:
+def _values(tree: Any) -> Any:
+    """The plain values of a V, or of a container of Vs."""
+    return jax.tree_util.tree_map(lambda v: v.value, tree, is_leaf=_is_v)
+
+
+def _ids(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda v: v.id, tree, is_leaf=_is_v)
+
+
+def _custom_args(values: tuple[Any, ...]) -> list[Any]:
+    """The callee's arguments as Vs (containers of Vs for container arguments)."""
     if _REC is None:
-        return [V(None, v) for v in values]
+        return [jax.tree_util.tree_map(lambda v: V(None, v), t) for t in values]
     ids, kw = _REC.arg_stack.pop()
     ids = list(ids) + list(kw.values())
-    return [V(i, v) for i, v in zip(ids, values, strict=True)]
+    return [jax.tree_util.tree_map(V, i, v) for i, v in zip(ids, values, strict=True)]
 
 
 def _custom_return(result: Any) -> Any:
-    """Leaves the result's ids for `_invoke` and returns the plain values."""
-    if isinstance(result, tuple):
-        if _REC is not None:
-            _REC.result_stack.append(tuple(r.id for r in result))
-        return tuple(r.value for r in result)
+    """Leaves the result's ids for `_invoke` and returns the plain values (a V, or a
+    tuple of Vs, possibly nested)."""
     if _REC is not None:
-        _REC.result_stack.append(result.id)
-    return result.value
+        _REC.result_stack.append(_ids(result))
+    return _values(result)
 
 
 def _path(module: nn.Module) -> tuple[str, ...]:
@@ -311,6 +342,40 @@ class Coder(nn.Module):
         return _custom_return(_invoke(self, f"{base}.decode", "decode", [h], {}, "custom"))
 
 
+class RunningAvg(nn.Module):
+    """Keeps a running mean of its input in ``batch_stats``. In train mode, and only when
+    params are immutable (so not during init), it centres by the batch mean and updates
+    the running mean; otherwise it centres by the running mean and updates nothing."""
+
+    train: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        axes = tuple(range(x.ndim - 1))
+        mean = self.variable("batch_stats", "mean", lambda: jnp.zeros(x.shape[-1], x.dtype))
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        if self.train and not self.is_mutable_collection("params"):
+            m = x.mean(axes)
+            mean.value = 0.9 * mean.value + 0.1 * m
+            return (x - m) * scale + mean.value
+        return (x - mean.value) * scale
+
+
+class AuxHead(nn.Module):
+    """Returns ``(h, aux)``: h = fc(x), aux a per-example summary of h (shape (batch,))."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        (x,) = _custom_args((x,))
+        h = _invoke(
+            nn.Dense(self.features, name="fc"), _join(self, "fc"), "__call__", [x], {}, "new"
+        )
+        aux = _glue(jnp.sum(jnp.tanh(h.value) ** 2, axis=-1), [h])
+        return _custom_return((h, aux))
+
+
 def _make(op_or_inst: Any, features: int, name: str | None) -> nn.Module:
     kind = op_or_inst.kind
     kw = {} if name is None else {"name": name}
@@ -334,6 +399,10 @@ def _make(op_or_inst: Any, features: int, name: str | None) -> nn.Module:
         return block_module(op_or_inst.sub, name)
     if kind == "coder":
         return Coder(features, **kw)
+    if kind == "avg":
+        return RunningAvg(train=not op_or_inst.variant, **kw)
+    if kind == "aux":
+        return AuxHead(features, **kw)
     raise AssertionError(kind)
 
 
@@ -348,6 +417,8 @@ _HOW = {
     "merge": "custom",
     "block": "custom",
     "coder": "custom",
+    "avg": "new",
+    "aux": "custom",
 }
 
 
@@ -390,36 +461,53 @@ def _run_graph(self: nn.Module, spec: GraphSpec, inputs: list[V], get: Any) -> A
             inst = instances[op.ref]
             how = _how(inst)
             out = _invoke(get(inst), _join(self, inst.name, op.method), op.method, ins, {}, how)
-            env.extend(out if isinstance(out, tuple) else [out])
+            env.extend(jax.tree_util.tree_leaves(out, is_leaf=_is_v))
         else:
             args, kwargs = ins, {}
             if kind == "merge" and op.keyword:
                 args, kwargs = ins[:1], {"other": ins[1]}
+            if kind == "block" and op.sub.pack != "none":
+                args, kwargs = _pack(op.sub.pack, ins)
             out = _invoke(get(op), _join(self, op.name), "__call__", args, kwargs, _how(op))
-            env.extend(out if isinstance(out, tuple) else [out])
+            env.extend(jax.tree_util.tree_leaves(out, is_leaf=_is_v))
     outs = [env[i] for i in spec.out]
     if spec.out_form == "single":
         return outs[0]
     if spec.out_form == "tuple":
         return tuple(outs)
+    if spec.out_form == "aux":  # (main, (aux, ...)): the aux values collected in a tuple
+        main, aux = outs[: len(outs) - spec.n_aux], outs[len(outs) - spec.n_aux :]
+        return (main[0] if len(main) == 1 else tuple(main), tuple(aux))
     return {f"out{i}": o for i, o in enumerate(outs)}
+
+
+def _pack(pack: str, ins: list[V]) -> tuple[list[Any], dict[str, Any]]:
+    """A block's arguments in a container: ``block(x, {"skip": e})`` ("dict"),
+    ``block(x, ctx={"skip": e})`` ("kwdict") or ``block((x, e))`` ("tuple"). The callee
+    sees its inputs in the containers' leaf order, which is `ins` order (keys sort so)."""
+    ctx = {("skip" if j == 0 else f"skip{j}"): v for j, v in enumerate(ins[1:])}
+    if pack == "dict":
+        return [ins[0], ctx], {}
+    if pack == "kwdict":
+        return [ins[0]], {"ctx": ctx}
+    return [tuple(ins)], {}
 
 
 def _is_v(x: Any) -> bool:
     return isinstance(x, V)
 
 
-def _enter(self: nn.Module, xs: tuple[Any, ...]) -> list[V]:
+def _enter(self: nn.Module, xs: tuple[Any, ...], kw: dict[str, Any]) -> list[V]:
+    """The block's inputs as a flat list of Vs (container arguments flattened)."""
     rec = _REC
-    if rec is None:
-        return [V(None, x) for x in xs]
-    if not _path(self):  # the model itself
+    if rec is not None and not _path(self):  # the model itself
         ids = [rec.new(x, ()) for x in xs]
         rec.model_inputs = ids
         return [V(i, x) for i, x in zip(ids, xs, strict=True)]
-    if self.spec.transform != "none":
+    if rec is not None and self.spec.transform != "none":
         rec.opaque += 1
-    return _custom_args(xs)
+    args = _custom_args(tuple(xs) + tuple(kw.values()))
+    return jax.tree_util.tree_leaves(args, is_leaf=_is_v)
 
 
 def _leave(self: nn.Module, result: Any) -> Any:
@@ -438,7 +526,7 @@ class CompactBlock(nn.Module):
     spec: GraphSpec
 
     @nn.compact
-    def __call__(self, *xs):
+    def __call__(self, *xs, **kw):
         made: dict[str, nn.Module] = {}
 
         def get(item: Any) -> nn.Module:
@@ -447,7 +535,7 @@ class CompactBlock(nn.Module):
                 made[name] = _make(item, self.spec.features, name)
             return made[name]
 
-        return _leave(self, _run_graph(self, self.spec, _enter(self, xs), get))
+        return _leave(self, _run_graph(self, self.spec, _enter(self, xs, kw), get))
 
 
 class SetupBlock(nn.Module):
@@ -460,9 +548,9 @@ class SetupBlock(nn.Module):
         for inst in self.spec.instances:
             setattr(self, inst.name, _make(inst, self.spec.features, None))
 
-    def __call__(self, *xs):
+    def __call__(self, *xs, **kw):
         get = lambda item: getattr(self, item.name)  # noqa: E731
-        return _leave(self, _run_graph(self, self.spec, _enter(self, xs), get))
+        return _leave(self, _run_graph(self, self.spec, _enter(self, xs, kw), get))
 
 
 _TRANSFORMED = {
@@ -484,9 +572,15 @@ def block_module(spec: GraphSpec, name: str | None = None) -> nn.Module:
 
 
 class _Gen:
-    def __init__(self, rng: random.Random, features: int):
+    def __init__(self, rng: random.Random, features: int, extra: bool = False, tag: Any = None):
         self.rng = rng
         self.d = features
+        self.tag = tag
+        # Extended models add running averages updated under `is_mutable_collection`,
+        # modules returning `(h, aux)` with the aux values collected into a tuple output,
+        # and blocks taking their inputs in containers. Without `extra`, the generator
+        # draws exactly what it always drew, so old seeds give the same models.
+        self.extra = extra
 
     def pick(self, kinds: list[str], allowed: set[str]) -> int | None:
         """A value index of an allowed kind, biased towards recent values."""
@@ -499,7 +593,11 @@ class _Gen:
             return cands[max(0, len(cands) - 3) + self.rng.randrange(min(3, len(cands)))]
         return self.rng.choice(cands)
 
-    def graph(self, in_kinds: list[str], n_ops: int, depth: int, top: bool) -> GraphSpec:
+    def graph(
+        self, in_kinds: list[str], n_ops: int, depth: int, top: bool, stateless: bool = False
+    ) -> GraphSpec:
+        """`stateless`: no running averages (the body of a shared block: a second call
+        would read the state the first call wrote, which the value DAG does not see)."""
         rng = self.rng
         kinds = list(in_kinds)
         ops: list[Op] = []
@@ -531,12 +629,14 @@ class _Gen:
         if rng.random() < 0.5:
             what = rng.choice(["dense", "block", "coder"] if depth < 2 else ["dense", "coder"])
             sub = (
-                self.graph(["vec"], rng.randint(1, 3), depth + 1, False)
+                self.graph(["vec"], rng.randint(1, 3), depth + 1, False, stateless=True)
                 if what == "block"
                 else None
             )
             if sub is not None and (len(sub.out) != 1):
-                sub = dataclasses.replace(sub, out=sub.out[:1], out_form="single")
+                sub = dataclasses.replace(
+                    sub, out=sub.out[:1], out_form="single", n_aux=0, out_kinds=sub.out_kinds[:1]
+                )
             shared = Instance(fresh("shared") if what != "coder" else fresh("coder"), what, sub)
         used_shared = 0
 
@@ -558,6 +658,9 @@ class _Gen:
             "pool": 1,
             "region": 1,
         }
+        if self.extra:
+            weights.update({"avg": 0 if stateless else 2, "aux": 2})
+            weights["block"] = 3 if depth < 2 else 0
         for _ in range(n_ops):
             kind = rng.choices(list(weights), weights=list(weights.values()))[0]
             vec = self.pick(kinds, {"vec"})
@@ -587,10 +690,21 @@ class _Gen:
                     b = self.pick(kinds, {"vec", "wide"})
                 emit(Op("merge", (a, b), name=fresh("merge"), keyword=rng.random() < 0.4), ["vec"])
             elif kind == "block":
-                n_in = 1 if rng.random() < 0.6 else 2
+                n_in = 1 if rng.random() < (0.35 if self.extra else 0.6) else 2
+                pack = "none"
+                if self.extra and n_in == 2:
+                    n_in = rng.choice([2, 2, 3])
+                    pack = rng.choice(["none", "dict", "kwdict", "tuple"])
                 ins = [vec] + [self.pick(kinds, {"vec"}) for _ in range(n_in - 1)]
-                sub = self.graph(["vec"] * n_in, rng.randint(1, 4), depth + 1, False)
-                emit(Op("block", tuple(ins), name=fresh("block"), sub=sub), ["vec"] * len(sub.out))
+                sub = self.graph(["vec"] * n_in, rng.randint(1, 4), depth + 1, False, stateless)
+                sub = dataclasses.replace(sub, pack=pack)
+                emit(Op("block", tuple(ins), name=fresh("block"), sub=sub), list(sub.out_kinds))
+            elif kind == "avg":
+                i = self.pick(kinds, {"vec", "img"})
+                variant = int(rng.random() < 0.3)  # 1: eval mode (reads the running mean)
+                emit(Op("avg", (i,), name=fresh("avg"), variant=variant), [kinds[i]])
+            elif kind == "aux":
+                emit(Op("aux", (vec,), name=fresh("aux")), ["vec", "aux"])
             elif kind == "shared" and shared is not None:
                 used_shared += 1
                 if shared.kind == "coder":
@@ -638,16 +752,32 @@ class _Gen:
             form = "single" if (not top or rng.random() < 0.7) else rng.choice(["tuple", "dict"])
         else:
             form = "tuple" if not top else rng.choice(["tuple", "dict"])
+        n_aux = 0
+        auxs = [i for i, k in enumerate(kinds) if k == "aux"]
+        if self.extra and auxs and rng.random() < 0.8:
+            # The aux values of `(h, aux)` calls, collected: `return h, (aux1, aux2)`.
+            chosen = sorted(rng.sample(auxs, rng.randint(1, min(3, len(auxs)))))
+            out, form, n_aux = out + chosen, "aux", len(chosen)
         transform = "none"
         if not top and rng.random() < 0.25:
             # Under nn.remat/nn.jit the results must be computed inside (an input passed
             # straight through would be forwarded by JAX, a different DAG).
             transform = rng.choice(["remat", "jit"])
             for i in list(out):
-                emit(Op("act", (i,), variant=0), ["vec"])
+                emit(Op("act", (i,), variant=0), [kinds[i]])
             out = list(range(len(kinds) - len(out), len(kinds)))
         return GraphSpec(
-            self.d, len(in_kinds), tuple(ops), tuple(out), form, style, tuple(instances), transform
+            self.d,
+            len(in_kinds),
+            tuple(ops),
+            tuple(out),
+            form,
+            style,
+            tuple(instances),
+            transform,
+            n_aux=n_aux,
+            out_kinds=tuple(kinds[i] for i in out),
+            tag=self.tag,
         )
 
 
@@ -657,17 +787,31 @@ class Generated:
     spec: GraphSpec
     model: nn.Module
     inputs: tuple[Any, ...]
+    extra: bool = False
+
+    @property
+    def stateful(self) -> bool:
+        """Whether running the model updates state (a running average in train mode): it
+        is then applied, and sliced, with ``mutable=["batch_stats"]``."""
+
+        def walk(spec: GraphSpec) -> bool:
+            return any(
+                (op.kind == "avg" and not op.variant) or (op.sub is not None and walk(op.sub))
+                for op in spec.ops
+            ) or any(i.sub is not None and walk(i.sub) for i in spec.instances)
+
+        return walk(self.spec)
 
 
-def generate(seed: int) -> Generated:
+def generate(seed: int, extra: bool = False) -> Generated:
     rng = random.Random(seed)
     d = rng.randint(4, 8)
     in_kinds = rng.choice([["vec"], ["vec"], ["vec", "img3"], ["img3"]])
-    spec = _Gen(rng, d).graph(in_kinds, rng.randint(4, 10), 0, True)
+    spec = _Gen(rng, d, extra, (seed, extra)).graph(in_kinds, rng.randint(4, 10), 0, True)
     nrng = np.random.default_rng(seed)
     shapes = {"vec": (B, d), "img3": (B, HW, HW, IMG_IN_CHANNELS)}
     inputs = tuple(jnp.asarray(nrng.normal(size=shapes[k]), jnp.float32) for k in in_kinds)
-    return Generated(seed, spec, block_module(spec), inputs)
+    return Generated(seed, spec, block_module(spec), inputs, extra)
 
 
 def describe(g: Generated) -> str:
@@ -684,23 +828,40 @@ def describe(g: Generated) -> str:
         n = spec.n_in
         for op in spec.ops:
             n_out = (
-                len(op.sub.out) if op.kind == "block" else 2 if op.kind in ("pair", "region") else 1
+                len(op.sub.out)
+                if op.kind == "block"
+                else 2
+                if op.kind in ("pair", "region", "aux")
+                else 1
             )
             outs = ", ".join(f"v{n + i}" for i in range(n_out))
             args = ", ".join(f"v{i}" for i in op.ins)
             if op.kind == "merge" and op.keyword:
                 args = f"v{op.ins[0]}, other=v{op.ins[1]}"
+            if op.kind == "block" and op.sub.pack != "none":
+                ctx = ", ".join(f"'skip{j or ''}': v{i}" for j, i in enumerate(op.ins[1:]))
+                args = {
+                    "dict": f"v{op.ins[0]}, {{{ctx}}}",
+                    "kwdict": f"v{op.ins[0]}, ctx={{{ctx}}}",
+                    "tuple": f"({args})",
+                }[op.sub.pack]
             what = op.name or op.ref or ""
             extra = f".{op.method}" if op.kind == "method" else ""
-            variant = f"/{op.variant}" if op.kind in ("act", "pair", "region") else ""
+            variant = f"/{op.variant}" if op.kind in ("act", "pair", "region", "avg") else ""
             lines.append(f"{indent}{outs} = {op.kind}{variant} {what}{extra}({args})")
             if op.sub is not None:
                 lines += graph(op.sub, indent + "    ")
             n += n_out
-        lines.append(f"{indent}return {spec.out_form} " + ", ".join(f"v{i}" for i in spec.out))
+        returned = ", ".join(f"v{i}" for i in spec.out)
+        if spec.out_form == "aux":
+            k = len(spec.out) - spec.n_aux
+            main, aux = spec.out[:k], spec.out[k:]
+            returned = f"({', '.join(f'v{i}' for i in main)}), ({', '.join(f'v{i}' for i in aux)},)"
+        lines.append(f"{indent}return {spec.out_form} {returned}")
         return lines
 
-    return "\n".join([f"seed {g.seed}"] + graph(g.spec, "  "))
+    head = f"seed {g.seed}" + (" (extended)" if g.extra else "")
+    return "\n".join([head] + graph(g.spec, "  "))
 
 
 # --------------------------------------------------------------------------- the oracle
@@ -723,7 +884,13 @@ class Oracle:
     model_out: Any
     names: list[str]  # boundary names, in call order
     by_name: dict[str, CallRec]
+    new_state: Any = None  # stateful models: the batch_stats `model.apply` returned
     deferred: list[str] = dataclasses.field(default_factory=list)  # failures raised at the end
+
+    @property
+    def mode(self) -> dict[str, Any]:
+        """Keyword arguments of every jaxslice call (as of every `model.apply`)."""
+        return {"mutable": ["batch_stats"]} if self.g.stateful else {}
 
     # ---- ports
 
@@ -739,7 +906,7 @@ class Oracle:
                 return list(self.rec.model_inputs)
             return jax.tree_util.tree_leaves(self.rec.model_out)
         if p.side == "input":
-            return list(p.call.args) + list(p.call.kwargs.values())
+            return jax.tree_util.tree_leaves(list(p.call.args) + list(p.call.kwargs.values()))
         return list(jax.tree_util.tree_leaves(p.call.out))
 
     def known(self, p: Port) -> bool:
@@ -755,8 +922,21 @@ class Oracle:
             if not all(i in self.values for i in self.leaves(p)):
                 return self.captured[p.call.base][p.call.index]
             return jax.tree_util.tree_map(lambda i: self.values[i], p.call.out)
-        ids = self.leaves(p)
-        return self.values[ids[0]] if len(ids) == 1 else tuple(self.values[i] for i in ids)
+        # The call's arguments (each a value or a container of values), keyword arguments
+        # last; a call with one argument: that argument.
+        args = [self.tree(a) for a in list(p.call.args) + list(p.call.kwargs.values())]
+        return args[0] if len(args) == 1 else tuple(args)
+
+    def tree(self, ids: Any) -> Any:
+        """A tree of value ids, as values."""
+        return jax.tree_util.tree_map(lambda i: self.values[i], ids)
+
+    def start_inputs(self, start: Any) -> tuple[list[Any], dict[str, Any]]:
+        if start is None:
+            return list(self.g.inputs), {}
+        return self.inputs_for(
+            [self.port(s, "input") for s in (start if isinstance(start, list) else [start])]
+        )
 
     def inputs_for(self, ports: list[Port]) -> tuple[list[Any], dict[str, Any]]:
         """What a slice starting at `ports` is called with."""
@@ -768,8 +948,8 @@ class Oracle:
             elif p.side == "output":
                 args.append(self.value_of(p))
             else:
-                args += [self.values[i] for i in p.call.args]
-                kwargs.update({k: self.values[i] for k, i in p.call.kwargs.items()})
+                args += [self.tree(a) for a in p.call.args]
+                kwargs.update({k: self.tree(a) for k, a in p.call.kwargs.items()})
         return args, kwargs
 
     def ends_value(self, end: Any) -> Any:
@@ -868,17 +1048,30 @@ class Oracle:
     # ---- running slices
 
     def slice(self, start: Any, end: Any) -> Any:
-        return js.slice(self.g.model, self.variables, *self.g.inputs, start=start, end=end)
+        return js.slice(
+            self.g.model, self.variables, *self.g.inputs, start=start, end=end, **self.mode
+        )
+
+    def call(self, sub: Any, *args: Any, **kwargs: Any) -> Any:
+        """Calls a slice. A slice of a stateful model that holds state is applied with
+        ``mutable=["batch_stats"]``, and its updates must be the new state `model.apply`
+        returned for the slice's own modules. (A slice without state is called without
+        `mutable`: jaxslice refuses one there, where linen's `apply` returns ``(out, {})``;
+        `check_state` holds the whole model to linen's convention.)"""
+        if not self.g.stateful or "batch_stats" not in (sub.variables or {}):
+            return sub(*args, **kwargs)
+        out, updates = sub.apply(sub.variables, *args, mutable=["batch_stats"], **kwargs)
+        new = leaf_paths({"batch_stats": self.new_state})
+        want = {p: new[p] for p in leaf_paths(sub.variables) if p[0] == "batch_stats"}
+        got = leaf_paths(updates)
+        assert set(got) == set(want), f"updates {sorted(got)} != {sorted(want)}"
+        assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
+        return out
 
     def expect_slice(self, start: Any, end: Any, stats: Stats) -> Any:
         sub = self.slice(start, end)
-        if start is None:
-            args, kwargs = list(self.g.inputs), {}
-        else:
-            args, kwargs = self.inputs_for(
-                [self.port(s, "input") for s in (start if isinstance(start, list) else [start])]
-            )
-        got = sub(*args, **kwargs)
+        args, kwargs = self.start_inputs(start)
+        got = self.call(sub, *args, **kwargs)
         stats.slices += 1
         assert_trees_all_close(got, self.ends_value(end), atol=ATOL, rtol=RTOL)
         modules = self.modules_needed(start, end)
@@ -904,15 +1097,16 @@ def _flat_ends(end: Any) -> list[Any]:
 def build_oracle(g: Generated) -> Oracle:
     variables = random_variables(g.model, *g.inputs, seed=g.seed)
     rec = Recorder()
+    mutable = ["intermediates"] + (["batch_stats"] if g.stateful else [])
 
     def run(variables, *xs):
         with recording(rec):
             out, state = g.model.apply(
-                variables, *xs, capture_intermediates=lambda m, n: True, mutable=["intermediates"]
+                variables, *xs, capture_intermediates=lambda m, n: True, mutable=mutable
             )
-        return out, state["intermediates"], rec.values
+        return out, state["intermediates"], state.get("batch_stats"), rec.values
 
-    model_out, inter, values = jax.jit(run)(variables, *g.inputs)
+    model_out, inter, new_state, values = jax.jit(run)(variables, *g.inputs)
     captured: dict[str, tuple[Any, ...]] = {}
 
     def walk(node: Any, path: tuple[str, ...]) -> None:
@@ -931,7 +1125,7 @@ def build_oracle(g: Generated) -> Oracle:
         name = c.base if counts[c.base] == 1 else f"{c.base}@{c.index}"
         names.append(name)
         by_name[name] = c
-    return Oracle(g, variables, rec, values, captured, model_out, names, by_name)
+    return Oracle(g, variables, rec, values, captured, model_out, names, by_name, new_state)
 
 
 # --------------------------------------------------------------------------- checks
@@ -967,7 +1161,7 @@ def check_recording(o: Oracle) -> None:
 
 
 def check_boundaries(o: Oracle) -> None:
-    bs = js.boundaries(o.g.model, o.variables, *o.g.inputs)
+    bs = js.boundaries(o.g.model, o.variables, *o.g.inputs, **o.mode)
     assert [b.name for b in bs] == o.names
     for b in bs:
         c = o.by_name[b.name]
@@ -979,12 +1173,12 @@ def check_boundaries(o: Oracle) -> None:
 def check_all_boundaries(o: Oracle, rng: random.Random, budget: Budget, stats: Stats) -> None:
     """Every boundary's output and input from the model's inputs, all at once, plus a few
     one-end slices, against ``capture_intermediates`` and the recording."""
-    outs = js.slice(o.g.model, o.variables, *o.g.inputs, end={n: n for n in o.names})(*o.g.inputs)
+    outs = o.call(o.slice(None, {n: n for n in o.names}), *o.g.inputs)
     stats.slices += 1
     expected = {n: o.captured[o.by_name[n].base][o.by_name[n].index] for n in o.names}
     assert_trees_all_close(outs, expected, atol=ATOL, rtol=RTOL)
     ins = {f"{n}:input": f"{n}:input" for n in o.names if o.known(o.port(f"{n}:input", "input"))}
-    outs = js.slice(o.g.model, o.variables, *o.g.inputs, end=ins)(*o.g.inputs)
+    outs = o.call(o.slice(None, ins), *o.g.inputs)
     stats.slices += 1
     assert_trees_all_close(outs, o.ends_value(ins), atol=ATOL, rtol=RTOL)
     # The model's whole output, and a few single ends.
@@ -1100,14 +1294,9 @@ EXPECTED_ERROR = {
 def check_new_batch(o: Oracle, sub: Any, start: Any, end: Any, stats: Stats) -> None:
     """A slice takes a new batch size without re-slicing. Every generated model works per
     example, so inputs ``[x; reversed x]`` give outputs ``[y; reversed y]``."""
-    if start is None:
-        args, kwargs = list(o.g.inputs), {}
-    else:
-        args, kwargs = o.inputs_for(
-            [o.port(s, "input") for s in (start if isinstance(start, list) else [start])]
-        )
+    args, kwargs = o.start_inputs(start)
     double = lambda t: jax.tree_util.tree_map(lambda a: np.concatenate([a, a[::-1]]), t)  # noqa: E731
-    got = sub(*double(args), **double(kwargs))
+    got = o.call(sub, *double(args), **double(kwargs))
     stats.slices += 1
     assert_trees_all_close(got, double(o.ends_value(end)), atol=ATOL, rtol=RTOL)
 
@@ -1125,7 +1314,7 @@ def check_invalid(o: Oracle, start: Any, end: Any, kind: str, stats: Stats) -> N
         [o.port(s, "input") for s in (start if isinstance(start, list) else [start])]
     )
     try:
-        got = sub(*args, **kwargs)
+        got = o.call(sub, *args, **kwargs)
     except js.SliceError:
         got = "<raised only when called>"
     raise AssertionError(
@@ -1158,20 +1347,20 @@ def check_composition(o: Oracle, rng: random.Random, budget: Budget, stats: Stat
             continue
         a, side = rng.choice(cands)
         if side == "input":
-            first = js.slice(o.g.model, o.variables, *o.g.inputs, end=f"{a}:input")
+            first = o.slice(None, f"{a}:input")
             second = o.slice(a, b)
-            mid = first(*o.g.inputs)
+            mid = o.call(first, *o.g.inputs)
             c = o.by_name[a]
             n_pos = len(c.args)
-            flat = list(mid) if len(o.leaves(Port(a, c, "input"))) > 1 else [mid]
+            flat = list(mid) if len(c.args) + len(c.kwargs) > 1 else [mid]
             args, kwargs = flat[:n_pos], dict(zip(c.kwargs, flat[n_pos:], strict=True))
         else:
-            first = js.slice(o.g.model, o.variables, *o.g.inputs, end=a)
+            first = o.slice(None, a)
             second = o.slice(f"{a}:output", b)
-            args, kwargs = [first(*o.g.inputs)], {}
-        whole = js.slice(o.g.model, o.variables, *o.g.inputs, end=b)
-        composed = second(*args, **kwargs)
-        direct = whole(*o.g.inputs)
+            args, kwargs = [o.call(first, *o.g.inputs)], {}
+        whole = o.slice(None, b)
+        composed = o.call(second, *args, **kwargs)
+        direct = o.call(whole, *o.g.inputs)
         stats.slices += 3
         assert_trees_all_close(composed, direct, atol=ATOL, rtol=RTOL)
         assert_trees_all_close(direct, o.ends_value(b), atol=ATOL, rtol=RTOL)
@@ -1193,8 +1382,102 @@ def check_reversed(o: Oracle, stats: Stats) -> None:
             check_invalid(o, start, end, kind, stats)
 
 
-def check_model(seed: int, budget: Budget, stats: Stats) -> None:
-    g = generate(seed)
+def check_state(o: Oracle, stats: Stats) -> None:
+    """A stateful model is traced with exactly the `mutable` asked for: without it, a
+    slice of the whole model whose output needs a state update fails as `model.apply`
+    does (a `js.SliceError`, when slicing or when called), and with ``mutable=True``
+    (params mutable too) the model takes its no-update branch. (A running average whose
+    result the output does not need is not part of the slice: it is not computed.)"""
+    if not o.g.stateful:
+        return
+    with pytest.raises(flax.errors.ModifyScopeVariableError):
+        o.g.model.apply(o.variables, *o.g.inputs)  # the oracle: linen raises
+    needed = o.modules_needed(None, None)
+    try:
+        got = js.slice(o.g.model, o.variables, *o.g.inputs)(*o.g.inputs)
+    except js.SliceError:
+        assert needed & o.rec.updating, "raised, but the slice updates no state"
+    else:
+        if needed & o.rec.updating:
+            raise AssertionError(
+                f"a slice updating {sorted(needed & o.rec.updating)} without "
+                "mutable=['batch_stats'] returned instead of raising as model.apply does; "
+                f"got {jax.tree_util.tree_map(np.asarray, got)!r}"
+            )
+        assert_trees_all_close(got, o.model_out, atol=ATOL, rtol=RTOL)
+    want, want_vars = o.g.model.apply(o.variables, *o.g.inputs, mutable=True)
+    sub = js.slice(o.g.model, o.variables, *o.g.inputs, mutable=True)
+    if not expected_variable_paths(o.variables, needed):
+        # A slice that holds no state at all: asking for its state is a clear error
+        # (tests/test_trainable.py), where linen would return an empty dict.
+        with pytest.raises(js.SliceError, match="no state"):
+            sub.apply(sub.variables, *o.g.inputs, mutable=True)
+        return
+    got, got_vars = sub.apply(sub.variables, *o.g.inputs, mutable=True)
+    stats.slices += 1
+    assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
+    # All the slice's own variables come back (unchanged: nothing updates with params
+    # mutable), as `model.apply` returns all of the model's.
+    want_vars = leaf_paths(want_vars)
+    got_vars = leaf_paths(got_vars)
+    assert set(got_vars) == expected_variable_paths(o.variables, needed)
+    assert_trees_all_close(got_vars, {p: want_vars[p] for p in got_vars}, atol=0, rtol=0)
+
+
+THREADS = 4
+
+
+def check_threads(o: Oracle, rng: random.Random, n_pairs: int, stats: Stats) -> None:
+    """The model listed, its intermediates taken, and random valid slices built and
+    called from THREADS threads at once (jaxslice's caches emptied first, so they trace
+    and compile concurrently) give bit-identical results to one thread, which match the
+    oracle."""
+    pairs = [(None, None)] + sample_pairs(o, rng, {"valid": n_pairs})["valid"]
+    target = (o.g.model, o.variables, *o.g.inputs)
+
+    def listing() -> list[Any]:
+        return [dataclasses.astuple(b) for b in js.boundaries(*target, **o.mode)]
+
+    def features() -> Any:
+        return jax.tree_util.tree_map(np.asarray, js.intermediates(*target, **o.mode))
+
+    def job(k: int) -> Any:
+        start, end = pairs[k]
+        args, kwargs = o.start_inputs(start)
+        return jax.tree_util.tree_map(np.asarray, o.call(o.slice(start, end), *args, **kwargs))
+
+    single = [job(k) for k in range(len(pairs))]
+    for (_, end), got in zip(pairs, single, strict=True):
+        assert_trees_all_close(got, o.ends_value(end), atol=ATOL, rtol=RTOL)
+    listed, feats = listing(), features()
+    captured = {n: o.captured[o.by_name[n].base][o.by_name[n].index] for n in o.names}
+    assert_trees_all_close(feats[0] if o.g.stateful else feats, captured, atol=ATOL, rtol=RTOL)
+    js.clear_caches()
+    barrier = threading.Barrier(THREADS)
+
+    def worker(i: int) -> tuple[dict[int, Any], list[Any], Any]:
+        barrier.wait(timeout=120)
+        # Each thread builds two of the slices: every slice is built by two threads at once.
+        outs = {k: job(k) for k in ((i + j) % len(pairs) for j in range(2))}
+        return outs, listing(), features()
+
+    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+        futures = [pool.submit(worker, i) for i in range(THREADS)]
+        results = [f.result(timeout=300) for f in futures]
+    for i, (outs, got_listed, got_feats) in enumerate(results):
+        assert got_listed == listed, f"thread {i}: js.boundaries differs"
+        assert_trees_equal(got_feats, feats)
+        for k, got in outs.items():
+            try:
+                assert_trees_equal(got, single[k])
+            except AssertionError as e:
+                start, end = pairs[k]
+                raise AssertionError(f"thread {i}, start={start!r} end={end!r}: {e}") from e
+            stats.slices += 1
+
+
+def check_model(seed: int, budget: Budget, stats: Stats, extra: bool = False) -> Oracle:
+    g = generate(seed, extra)
     o = build_oracle(g)
     rng = random.Random(seed * 7919 + 1)
     check_recording(o)
@@ -1203,15 +1486,17 @@ def check_model(seed: int, budget: Budget, stats: Stats) -> None:
     check_random_pairs(o, rng, budget, stats)
     check_composition(o, rng, budget, stats)
     check_reversed(o, stats)
+    check_state(o, stats)
     if o.deferred:
         raise AssertionError(
             f"{len(o.deferred)} slice(s) own the wrong variables:\n" + "\n".join(o.deferred[:5])
         )
     stats.models += 1
+    return o
 
 
-def _explain(seed: int, error: BaseException) -> str:
-    return f"{describe(generate(seed))}\n{type(error).__name__}: {error}"
+def _explain(seed: int, error: BaseException, extra: bool = False) -> str:
+    return f"{describe(generate(seed, extra))}\n{type(error).__name__}: {error}"
 
 
 # --------------------------------------------------------------------------- tests
@@ -1219,6 +1504,14 @@ def _explain(seed: int, error: BaseException) -> str:
 # Seeds 12, 100, 141 and 161 together cover every feature of the generator (see
 # `test_default_seeds_cover_every_feature`); 0, 1, 2 and 24 are small plain models.
 SMALL_SEEDS = [0, 1, 2, 12, 24, 100, 141, 161]
+
+
+# Extended models (`generate(seed, extra=True)`): 1 and 402 together cover every extended
+# feature (see `test_default_seeds_cover_every_feature`).
+EXTRA_SEEDS = [1, 402]
+# Models sliced from several threads at once: 377 (extended) has state, container
+# arguments and nested aux outputs.
+THREAD_SEEDS = [(377, True)]
 
 
 @pytest.mark.parametrize("seed", SMALL_SEEDS)
@@ -1231,14 +1524,49 @@ def test_fuzz_model(seed):
     assert stats.models == 1 and stats.slices > 0
 
 
+@pytest.mark.parametrize("seed", EXTRA_SEEDS)
+def test_fuzz_extended_model(seed):
+    """Running averages updated under `is_mutable_collection` (against `model.apply(...,
+    mutable=["batch_stats"])`), `(h, aux)` modules with the aux values collected into a
+    tuple output, and blocks called with containers of earlier activations."""
+    stats = Stats()
+    try:
+        check_model(seed, Budget(), stats, extra=True)
+    except Exception as e:
+        raise AssertionError(_explain(seed, e, extra=True)) from e
+    assert stats.models == 1 and stats.slices > 0
+
+
+@pytest.mark.parametrize(("seed", "extra"), THREAD_SEEDS)
+def test_fuzz_threads(seed, extra):
+    """A generated model sliced, listed and called from several threads at once."""
+    stats = Stats()
+    try:
+        o = build_oracle(generate(seed, extra))
+        check_threads(o, random.Random(seed), 3, stats)
+    except Exception as e:
+        raise AssertionError(_explain(seed, e, extra)) from e
+    assert stats.slices > 0
+
+
 def features(g: Generated) -> set[str]:
     """What a generated model exercises."""
     out = {"inputs:" + "+".join("image" if x.ndim == 4 else "vector" for x in g.inputs)}
+    if g.stateful:
+        out.add("stateful model")
 
     def walk(spec: GraphSpec, depth: int) -> None:
         out.update({spec.style, "returns:" + spec.out_form, f"depth:{depth}"})
         if spec.transform != "none":
             out.add("transform:" + spec.transform)
+            if any(op.kind == "avg" for op in spec.ops):
+                out.add("avg under transform")
+        if depth and spec.out_form == "aux":
+            out.add("block returns:aux")
+        if spec.pack != "none":
+            out.add(f"pack:{spec.pack}")
+            if spec.n_in > 2:
+                out.add("pack:3in")
         if len(set(spec.out)) < len(spec.out):
             out.add("returns a value twice")
         for op in spec.ops:
@@ -1253,6 +1581,8 @@ def features(g: Generated) -> set[str]:
                 out.add(f"block:{len(op.ins)}in:{len(op.sub.out)}out")
             if op.kind == "region":
                 out.add("region:" + ("checkpoint", "jit")[op.variant])
+            if op.kind == "avg":
+                out.add("avg:eval" if op.variant else "avg:train")
             if op.sub is not None:
                 walk(op.sub, depth + 1)
         for inst in spec.instances:
@@ -1312,17 +1642,38 @@ ALL_FEATURES = {
 }
 
 
+EXTRA_FEATURES = {
+    "avg",
+    "avg:train",
+    "avg:eval",
+    "avg under transform",
+    "stateful model",
+    "aux",
+    "returns:aux",
+    "block returns:aux",
+    "pack:dict",
+    "pack:kwdict",
+    "pack:tuple",
+    "pack:3in",
+}
+
+
 def test_default_seeds_cover_every_feature():
     """The CI sample is not a narrow one: its models exercise every op kind, both module
-    styles, nesting, sharing, methods, keyword arguments and every output form."""
+    styles, nesting, sharing, methods, keyword arguments and every output form; the
+    extended ones state, aux outputs and container arguments."""
     covered = set().union(*(features(generate(s)) for s in SMALL_SEEDS))
     assert ALL_FEATURES <= covered, ALL_FEATURES - covered
+    covered = set().union(*(features(generate(s, extra=True)) for s in EXTRA_SEEDS))
+    assert EXTRA_FEATURES <= covered, EXTRA_FEATURES - covered
+    assert not EXTRA_FEATURES & set().union(*(features(generate(s)) for s in range(50)))
 
 
 def test_generator_is_deterministic():
-    a, b = generate(12345), generate(12345)
-    assert a.spec == b.spec
-    assert_trees_all_close(a.inputs, b.inputs, atol=0, rtol=0)
+    for extra in (False, True):
+        a, b = generate(12345, extra), generate(12345, extra)
+        assert a.spec == b.spec
+        assert_trees_all_close(a.inputs, b.inputs, atol=0, rtol=0)
 
 
 def _large_selected(config: Any) -> bool:
@@ -1341,23 +1692,31 @@ def test_fuzz_large(request):
     else:
         first = int(os.environ.get("JAXSLICE_FUZZ_SEED0", "1000"))
         seeds = list(range(first, first + int(os.environ.get("JAXSLICE_FUZZ_N", "300"))))
+    # Each seed as a plain model, an extended one, or both (JAXSLICE_FUZZ_EXTRA=0, 1, both).
+    which = os.environ.get("JAXSLICE_FUZZ_EXTRA", "both")
+    kinds = {"0": [False], "1": [True]}.get(which, [False, True])
+    models = [(seed, extra) for seed in seeds for extra in kinds]
     stats = Stats()
-    failures: list[tuple[int, str]] = []
+    failures: list[tuple[str, str]] = []
     t0 = time.perf_counter()
-    for i, seed in enumerate(seeds):
+    for i, (seed, extra) in enumerate(models):
         try:
-            check_model(seed, Budget(pairs=8, invalid=4, compositions=2), stats)
+            o = check_model(seed, Budget(pairs=8, invalid=4, compositions=2), stats, extra)
+            if seed % 10 == 0:  # every tenth seed from several threads too
+                check_threads(o, random.Random(seed), 3, stats)
         except Exception as e:
             failures.append(
                 (
-                    seed,
-                    _explain(seed, e) + "\n" + "".join(traceback.format_tb(e.__traceback__)[-3:]),
+                    f"{seed}{' (extended)' if extra else ''}",
+                    _explain(seed, e, extra)
+                    + "\n"
+                    + "".join(traceback.format_tb(e.__traceback__)[-3:]),
                 )
             )
         if i % 25 == 24:
             jax.clear_caches()
     summary = (
-        f"fuzz_large: {len(seeds)} models, {stats.models} passed, {stats.slices} slices checked, "
+        f"fuzz_large: {len(models)} models, {stats.models} passed, {stats.slices} slices checked, "
         f"{stats.errors} invalid slices raised, {stats.maybe} error-or-value pairs, "
         f"{len(failures)} failing models, {time.perf_counter() - t0:.0f}s"
     )

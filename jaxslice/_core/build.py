@@ -3,7 +3,10 @@
 The jaxpr's invars are (variables, random keys, array inputs), in that order. Equations
 are copied into the flat graph with fresh value ids; call-like equations (jit, remat,
 custom_jvp/vjp) whose bodies hold boundaries are inlined and remembered as `Region`s.
-Loops and conditionals stay single equations: the module calls inside their bodies are
+So are call-like equations with several results, so that a slice needing
+one result does not have to compute the others' inputs; they are run as the original
+equation again whenever a slice (or an interpreter) needs them whole. Loops and
+conditionals stay single equations: the module calls inside their bodies are
 listed with `loop` set.
 
 Boundaries come from marker equations (grouped into calls: a call's input markers, its
@@ -88,7 +91,8 @@ class _Builder:
             if marker is not None:
                 self._occur(marker, env, eqn, scopes)
                 continue
-            body = _compat.call_body(eqn) if self.has_marker_eqn(eqn) else None
+            inlined = self.has_marker_eqn(eqn) or len(eqn.outvars) > 1
+            body = _compat.call_body(eqn) if inlined else None
             if body is not None:
                 self.inline(eqn, body, env, scopes)
             else:
@@ -120,7 +124,9 @@ class _Builder:
         self.walk(jaxpr, inner, scopes)
         outs = tuple(self.read(inner, atom) for atom in jaxpr.outvars)
         _bind(env, eqn.outvars, outs)
-        self.g.regions.append(Region(Eqn(eqn, ins, outs, scopes), start, len(self.g.eqns)))
+        opaque = not self.has_marker_eqn(eqn)
+        region = Region(Eqn(eqn, ins, outs, scopes), start, len(self.g.eqns), opaque)
+        self.g.regions.append(region)
 
     def const_env(self, jaxpr: Any, consts: Sequence[Any]) -> dict[Any, int]:
         """An environment binding `jaxpr`'s constvars to new constants."""

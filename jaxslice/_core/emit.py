@@ -155,9 +155,16 @@ def evaluate(
     env = _Env(_initial_values(graph, var_values, rng_values, inputs))
     events = _events(graph)
     owners = innermost(_outside_loops(graph), len(graph.eqns))
-    for pos, owner in enumerate(owners):
+    # Regions inlined only to drop dead code run as their original equation here, as
+    # the hooks saw them before inlining (unless the hooks look inside call-like ones).
+    whole = {} if hooks.recurse else {r.start: r for r in graph.regions if r.opaque}
+    pos = 0
+    while pos < len(graph.eqns):
+        owner = owners[pos].qualname if owners[pos] else None
         _boundaries(graph, hooks, env, pos, events.get(pos, ()))
-        _equation(graph, hooks, env, pos, owner.qualname if owner else None)
+        region = whole.get(pos)
+        _equation(hooks, env, pos, owner, region.eqn if region else graph.eqns[pos])
+        pos = region.stop if region else pos + 1
     end = len(graph.eqns)
     _boundaries(graph, hooks, env, end, events.get(end, ()))
     out_tree = jax.tree_util.tree_unflatten(graph.out_tree, graph.out_slots)
@@ -237,8 +244,7 @@ class _Site:
         )
 
 
-def _equation(graph: Graph, hooks: Hooks, env: _Env, pos: int, owner: str | None) -> None:
-    eqn = graph.eqns[pos]
+def _equation(hooks: Hooks, env: _Env, pos: int, owner: str | None, eqn: Any) -> None:
     site = _Site(pos, eqn.scopes, owner)
     ins = [env.read(v, pos) for v in eqn.ins]
     outs = _outputs(eqn.jax_eqn, ins, hooks, site)

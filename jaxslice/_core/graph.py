@@ -113,6 +113,9 @@ class Region:
     eqn: Eqn
     start: int
     stop: int
+    # Holds no boundary: inlined only so that a slice can drop the part of it that its
+    # outputs do not need (a jitted function with several results, say).
+    opaque: bool = False
 
 
 @dataclasses.dataclass(eq=False)
