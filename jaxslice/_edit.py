@@ -157,7 +157,7 @@ class Editor:
         self._variables = program.adapter.split(target, args, kwargs).variables
         graph = program.base.traced.graph
         taken = {c.qualname for c in graph.calls} | {c.name for c in graph.calls}
-        taken |= program.adapter.variable_names(program.variables)
+        taken |= program.adapter.variable_names(self._variables)
         self._base = _Base(program, Resolver(graph), frozenset(taken))
         self._edits: tuple[_Edit, ...] = ()
         self._tables = _Tables()
@@ -177,8 +177,7 @@ class Editor:
 
     def _with(self, edit: _Edit, probe: str | None) -> Editor:
         """A new editor with `edit` added; `probe` names the edit for error messages."""
-        new = object.__new__(Editor)
-        new._variables, new._base = self._variables, self._base
+        new = self.copy()
         new._edits = self._edits + (edit,)
         new._tables = _Tables.of(new._edits)
         new._known = None

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from .. import _compat
 from .._caches import LRU
 from .._errors import InputMismatchError, SliceError, VariablesMismatchError
-from .._trees import abstract, abstract_tree, is_traced_leaf, path_str, prune, tree_key
+from .._trees import abstract, abstract_tree, hashable, is_traced_leaf, path_str, prune, tree_key
 from . import emit as emit_
 from .plan import Plan, StateRules, plan
 from .trace import Traced, stop_specs, trace, trace_split
@@ -202,7 +202,7 @@ class SliceProgram:
             tree_key(split.rngs),
             tree_key(dict(mode)),
             tree_key(split.mutable),
-            _hashable(self.adapter.structure_key(self.target)),
+            hashable(self.adapter.structure_key(self.target)),
         )
 
     # ------------------------------------------------------------------ inputs
@@ -363,6 +363,10 @@ class SliceProgram:
 
     def summary(self) -> str:
         return summary(self)
+
+    def knows_sharing(self) -> bool:
+        """Whether `shared_paths` is known without tracing the model again."""
+        return not self.base.traced.graph.partial or "_shared" in self.__dict__
 
     def shared_paths(self) -> list[tuple[Any, ...]]:
         """Variable paths the slice reads that the model also reads outside the slice."""
@@ -587,14 +591,6 @@ def _paths(paths: list[Any]) -> str:
     return ", ".join(path_str(p) for p in paths[:8])
 
 
-def _hashable(x: Any) -> Any:
-    try:
-        hash(x)
-        return x
-    except TypeError:
-        return repr(x)
-
-
 _compat.register_frames_exclusion(__file__)
 
 
@@ -606,7 +602,9 @@ def summary(program: SliceProgram) -> str:
         f"start={program.start!r}, end={program.end!r}, equations={len(p.cut.eqns)}, "
         f"variables={len(p.variable_ids)} arrays/{sum(int(s) for s in sizes)} values"
     )
-    shared = program.shared_paths()
+    # A slice whose trace stopped early knows its sharing only after a full trace, which
+    # `repr` does not pay for (`shared_variables` does).
+    shared = program.shared_paths() if program.knows_sharing() else []
     if shared:
         text += f", shared with the rest of the model: {_paths(shared)}"
     return text

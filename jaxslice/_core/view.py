@@ -43,7 +43,8 @@ class ProgramView:
     def shared_variables(self) -> list[str]:
         """Paths of the variables the slice reads that the model also reads outside it
         (tied weights): the slice's gradients cover its own use only, and writing them
-        back changes every use."""
+        back changes every use. (A slice whose trace stopped at its ends traces the rest
+        of the model once to find out.)"""
         return [path_str(p) for p in self._slice_program().shared_paths()]
 
     def to_networkx(self, depth: int | None = None) -> Any:
