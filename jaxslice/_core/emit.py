@@ -157,7 +157,11 @@ def evaluate(
     owners = innermost(_outside_loops(graph), len(graph.eqns))
     # Regions inlined only to drop dead code run as their original equation here, as
     # the hooks saw them before inlining (unless the hooks look inside call-like ones).
-    whole = {} if hooks.recurse else {r.start: r for r in graph.regions if r.opaque}
+    whole = (
+        {}
+        if hooks.recurse
+        else {r.start: r for r in graph.regions if r.opaque and r.stop > r.start}
+    )
     pos = 0
     while pos < len(graph.eqns):
         owner = owners[pos].qualname if owners[pos] else None
