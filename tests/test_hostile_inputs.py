@@ -57,12 +57,15 @@ def dense(p: Any, x: Any) -> Any:
     return x @ p["kernel"] + p["bias"]
 
 
+def _initialised(model: nn.Module) -> tuple[nn.Module, Any, Any]:
+    """The model, its variables and the (4, 8) sample input they were made with."""
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    return model, model.init(jax.random.key(0), x), x
+
+
 @pytest.fixture(scope="module")
 def net():
-    model = Net()
-    x = jax.random.normal(jax.random.key(1), (4, 8))
-    variables = model.init(jax.random.key(0), x)
-    return model, variables, x
+    return _initialised(Net())
 
 
 @pytest.fixture(scope="module")
@@ -241,10 +244,7 @@ def test_pickling_an_nnx_slice_is_a_slice_error_or_works(nnx_slice, how):
 
 @pytest.fixture(scope="module")
 def setup_net():
-    model = SetupNet()
-    x = jax.random.normal(jax.random.key(1), (4, 8))
-    variables = model.init(jax.random.key(0), x)
-    return model, variables, x
+    return _initialised(SetupNet())
 
 
 def _export_oracle(model: nn.Module, variables: Any, h: Any) -> Any:
