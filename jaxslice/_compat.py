@@ -20,6 +20,7 @@ Sharp edges:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -129,6 +130,45 @@ def call_body(eqn: Any) -> Any | None:
     if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
         return None
     return jaxpr, consts
+
+
+# Loop and conditional primitives, by name: a body holding boundaries runs once per
+# iteration (scan, while) or not at all (cond). Only `scan` has a static trip count.
+_LOOPS = frozenset({"scan", "while", "cond"})
+
+
+def loop_primitive(eqn: Any) -> str | None:
+    """``"scan"``, ``"while"`` or ``"cond"`` for a loop or conditional equation, else None."""
+    name = primitive_name(eqn)
+    return name if name in _LOOPS else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanParts:
+    """A `scan` equation's body and layout: operands are ``consts + carry + xs``, results
+    ``carry + ys``."""
+
+    jaxpr: Any
+    consts: Sequence[Any]
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+
+
+def scan_parts(eqn: Any) -> ScanParts:
+    params = eqn.params
+    jaxpr, consts = open_jaxpr(params["jaxpr"])
+    return ScanParts(
+        jaxpr,
+        consts,
+        params["num_consts"],
+        params["num_carry"],
+        int(params["length"]),
+        bool(params["reverse"]),
+        params.get("unroll", 1),
+    )
 
 
 def has_effects(eqn: Any) -> bool:

@@ -33,6 +33,8 @@ class Boundary:
       outputs: shapes and dtypes of its output leaves.
       param_count: number of parameter values the module (with its submodules) holds.
       loop: the loop or conditional primitive the call is inside, or None.
+      iterations: for a call inside scans, how many times it runs (the product of their
+        lengths); its name has one ``[:]`` per scan, to be replaced by an iteration.
     """
 
     name: str
@@ -43,6 +45,7 @@ class Boundary:
     outputs: tuple[jax.ShapeDtypeStruct, ...]
     param_count: int
     loop: str | None = None
+    iterations: int | None = None
 
 
 class BoundaryTable(list):
@@ -75,7 +78,10 @@ def _aligned(row: Sequence[str], widths: list[int]) -> str:
 
 def _cells(b: Boundary) -> tuple[str, ...]:
     """One table row."""
-    name = f"{b.name}  [in {b.loop}]" if b.loop else b.name
+    if b.iterations is not None:
+        name = f"{b.name}  (x{b.iterations})"
+    else:
+        name = f"{b.name}  [in {b.loop}]" if b.loop else b.name
     counts = f"{b.call_index}/{b.num_calls}"
     return (name, b.module_type, counts, _fmt(b.inputs), _fmt(b.outputs), f"{b.param_count:,}")
 
@@ -109,8 +115,22 @@ def _describe_call(traced: Any, call: Call) -> Boundary:
         inputs=inputs,
         outputs=outputs,
         param_count=params,
-        loop=call.loop,
+        loop=call.loop.primitive if call.loop is not None else None,
+        iterations=_iterations(call),
     )
+
+
+def _iterations(call: Call) -> int | None:
+    """How many times a call inside scans runs; None outside them (or in other loops)."""
+    if call.loop is None or call.template is None:
+        return None
+    lengths = [site.length for site in call.loop.chain()]
+    if any(n is None for n in lengths):
+        return None
+    total = 1
+    for n in lengths:
+        total *= n
+    return total
 
 
 def _port_avals(graph: Graph, call: Call) -> tuple[tuple[jax.ShapeDtypeStruct, ...], ...]:

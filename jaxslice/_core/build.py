@@ -25,8 +25,9 @@ from typing import Any
 import jax
 
 from .. import _compat
-from .graph import Call, Eqn, Graph, Region, Slot
+from .graph import Call, Eqn, Graph, LoopSite, Region, Slot
 from .markers import INPUT, PLACEHOLDER, CallRecord, Marker, Origin
+from .names import shown, slot, unslotted
 from .ports import array_ids
 
 
@@ -50,7 +51,8 @@ class _Occurrence:
     vid: int | None
     pos: int
     scopes: tuple[str, ...]
-    loop: str | None
+    loop: LoopSite | None
+    template: str | None = None  # the call's name with iteration slots (in scan bodies)
 
 
 class _Builder:
@@ -62,7 +64,7 @@ class _Builder:
         # inlined too, so the regions inside it are found.
         self.scopes = scopes
         # Scope regions inside loop bodies: listed, but not sliceable (one per iteration).
-        self.loop_scopes: dict[tuple[str, ...], tuple[int, str]] = {}
+        self.loop_scopes: dict[tuple[str, ...], tuple[int, LoopSite]] = {}
 
     def has_marker(self, jaxpr: Any) -> bool:
         """Whether `jaxpr` holds boundaries: markers (or, with scopes, scoped equations)."""
@@ -111,7 +113,7 @@ class _Builder:
         g.eqns.append(Eqn(eqn, ins, outs, scopes))
         g.producer.update(dict.fromkeys(outs, idx))
         if self.has_marker_eqn(eqn):
-            self.collect_loop_markers(eqn, scopes, idx, _compat.primitive_name(eqn))
+            self.occurrences += self.loop_markers(eqn, scopes, idx, None)
 
     def inline(
         self, eqn: Any, body: tuple[Any, Sequence[Any]], env: dict[Any, int], scopes: tuple
@@ -132,18 +134,41 @@ class _Builder:
         """An environment binding `jaxpr`'s constvars to new constants."""
         return {v: self.g.new_const(c) for v, c in zip(jaxpr.constvars, consts, strict=True)}
 
-    def collect_loop_markers(self, eqn: Any, scopes: tuple[str, ...], pos: int, loop: str) -> None:
+    def loop_markers(
+        self, eqn: Any, scopes: tuple[str, ...], pos: int, parent: LoopSite | None
+    ) -> list[_Occurrence]:
+        """The markers in the bodies of a loop (or conditional) equation at `pos`."""
+        primitive = _compat.loop_primitive(eqn) or _compat.primitive_name(eqn)
+        length = _compat.scan_parts(eqn).length if primitive == "scan" else None
+        site = LoopSite(eqn, primitive, length, parent)
+        found: list[_Occurrence] = []
         for sub in _compat.subjaxprs(eqn):
-            for inner in sub.eqns:
-                inner_scopes = scopes + _compat.eqn_scopes(inner)
-                self._note_loop_scopes(scopes, inner_scopes, pos, loop)
-                marker = _compat.marker_payload(inner)
-                if marker is not None:
-                    self.occurrences.append(_Occurrence(marker, None, pos, inner_scopes, loop))
-                elif self.has_marker_eqn(inner):
-                    self.collect_loop_markers(inner, inner_scopes, pos, loop)
+            found += self._body_markers(sub, scopes, pos, site)
+        if length is not None:
+            index_names(found, site.depth)
+        return found
 
-    def _note_loop_scopes(self, outer: tuple, inner: tuple, pos: int, loop: str) -> None:
+    def _body_markers(
+        self, jaxpr: Any, scopes: tuple[str, ...], pos: int, site: LoopSite
+    ) -> list[_Occurrence]:
+        found: list[_Occurrence] = []
+        for inner in jaxpr.eqns:
+            inner_scopes = scopes + _compat.eqn_scopes(inner)
+            self._note_loop_scopes(scopes, inner_scopes, pos, site)
+            marker = _compat.marker_payload(inner)
+            body = _compat.call_body(inner)
+            if marker is not None:
+                name = _call_name(marker.record, inner_scopes)
+                found.append(_Occurrence(marker, None, pos, inner_scopes, site, name))
+            elif not self.has_marker_eqn(inner):
+                continue
+            elif body is not None:  # jit or remat inside the body: the same iterations
+                found += self._body_markers(body[0], inner_scopes, pos, site)
+            else:
+                found += self.loop_markers(inner, inner_scopes, pos, site)
+        return found
+
+    def _note_loop_scopes(self, outer: tuple, inner: tuple, pos: int, loop: LoopSite) -> None:
         if self.scopes:
             for scope in _prefixes(inner)[len(outer) :]:
                 self.loop_scopes.setdefault(scope, (pos, loop))
@@ -170,6 +195,7 @@ def build(closed_jaxpr: Any, signature: Signature, *, name_scopes: bool = False)
     b.walk(jaxpr, env, ())
     _bind_outvars(b, jaxpr.outvars, env, signature)
     g = b.g
+    g.source = (closed_jaxpr, signature, name_scopes)
     g.calls = _whole_loops(g, _calls_from_markers(b.occurrences))
     if name_scopes:
         g.calls = _with_scope_calls(g, b.loop_scopes)
@@ -266,8 +292,9 @@ def _calls_from_markers(occurrences: list[_Occurrence]) -> list[Call]:
 
 def _new_call(occ: _Occurrence, seq: int) -> Call:
     record = occ.marker.record
+    name = _call_name(record, occ.scopes) if occ.template is None else shown(occ.template)
     return Call(
-        name=_call_name(record, occ.scopes),
+        name=name,
         index=0,
         module_type=record.module_type,
         method=record.method,
@@ -281,42 +308,40 @@ def _new_call(occ: _Occurrence, seq: int) -> Call:
         loop=occ.loop,
         path=record.path,
         in_seq=seq,
+        record=record,
+        template=occ.template if occ.loop is not None and occ.loop.length is not None else None,
     )
 
 
 def _call_name(record: CallRecord, scopes: tuple[str, ...]) -> str:
-    if record.origin is Origin.MARK and scopes:
+    if record.origin is Origin.MARK and scopes and record.display is None:
         return "/".join(scopes)
     return record.name
 
 
 def _whole_loops(g: Graph, calls: list[Call]) -> list[Call]:
-    """A lifted module (linen `nn.scan`, say) as a whole: the loop equation's own ports.
+    """Adds a lifted module (linen `nn.scan`, say) as a whole: the loop equation's own ports.
 
-    Inside the loop body each call is one iteration; the outermost module of a loop that
-    is called nowhere else *is* the loop (its outer call is the lifted transform), so it
-    gets a boundary whose inputs are the loop's non-constant operands and whose output is
-    the tuple of the loop's results. Calls nested in it stay per-iteration (not sliceable).
+    Inside a scan body each call is one iteration (``layers[:]``); the outermost module
+    of a loop that is called nowhere else *is* the loop (its outer call is the lifted
+    transform), so it also gets a boundary under its bare name whose inputs are the
+    loop's non-constant operands and whose output is the tuple of the loop's results.
     """
     outside = {c.name for c in calls if c.loop is None}
-    wholes: dict[int, list[Call]] = {}  # by loop position, the calls made whole so far
     out: list[Call] = []
     for c in calls:
-        siblings = wholes.setdefault(c.start, [])
-        if _is_lifted(c, outside) and not any(_nested_in(c, o) for o in siblings):
-            c = _loop_as_call(g, c)
-            siblings.append(c)
+        if _is_lifted(c, outside):
+            out.append(_loop_as_call(g, c))
         out.append(c)
     return out
 
 
 def _is_lifted(c: Call, outside: set[str]) -> bool:
-    """Whether `c` is a module call inside a loop whose module is called nowhere else."""
-    return c.loop is not None and c.is_module and c.name not in outside
-
-
-def _nested_in(c: Call, outer: Call) -> bool:
-    return c.path[: len(outer.path)] == outer.path
+    """Whether `c` is the module a top-level scan's body calls, called nowhere else."""
+    loop = c.loop
+    if loop is None or loop.parent is not None or not c.is_module or c.template is None:
+        return False
+    return c.template == c.record.name + slot(0) and c.record.name not in outside
 
 
 def _loop_as_call(g: Graph, c: Call) -> Call:
@@ -335,7 +360,9 @@ def _loop_as_call(g: Graph, c: Call) -> Call:
     out_tree = jax.tree_util.tree_structure(tuple(range(len(outs))) if len(outs) != 1 else 0)
     return dataclasses.replace(
         c,
+        name=c.record.name,
         loop=None,
+        template=None,
         in_tree=jax.tree_util.tree_structure((tuple(range(len(ins))), {})),
         in_slots=[Slot(v) for v in ins],
         out_tree=out_tree,
@@ -381,7 +408,9 @@ def _moves_axes(g: Graph, pos: int) -> bool:
     return _compat.is_axis_permutation(eqn.jax_eqn) and not g.is_free(eqn.ins[0])
 
 
-def _with_scope_calls(g: Graph, loop_scopes: dict[tuple[str, ...], tuple[int, str]]) -> list[Call]:
+def _with_scope_calls(
+    g: Graph, loop_scopes: dict[tuple[str, ...], tuple[int, LoopSite]]
+) -> list[Call]:
     """The marked calls plus `jax.named_scope` regions no marked call already names."""
     calls = list(g.calls)
     calls += _unnamed(_calls_from_scopes(g), calls)
@@ -392,11 +421,11 @@ def _with_scope_calls(g: Graph, loop_scopes: dict[tuple[str, ...], tuple[int, st
 
 def _unnamed(candidates: list[Call], calls: list[Call]) -> list[Call]:
     """The candidates whose name none of `calls` has."""
-    known = {c.name for c in calls}
+    known = {c.name for c in calls} | {unslotted(c.template) for c in calls if c.template}
     return [c for c in candidates if c.name not in known]
 
 
-def _loop_scope_calls(loop_scopes: dict[tuple[str, ...], tuple[int, str]]) -> list[Call]:
+def _loop_scope_calls(loop_scopes: dict[tuple[str, ...], tuple[int, LoopSite]]) -> list[Call]:
     """One call per name of the scope regions inside loop bodies (the first with it)."""
     calls: dict[str, Call] = {}
     for scope, (pos, loop) in loop_scopes.items():
@@ -488,6 +517,22 @@ def _last_reader(g: Graph) -> dict[int, int]:
         last.update(dict.fromkeys(eqn.ins, pos))
     last.update(dict.fromkeys(array_ids(g.out_slots), len(g.eqns)))
     return last
+
+
+# --------------------------------------------------------------------------- loop names
+
+
+def index_names(found: list[_Occurrence], depth: int) -> None:
+    """Gives the calls of a scan body one iteration slot: after the name of the outermost
+    call they are nested in (``layers`` -> ``layers[:]``, ``layers/attn`` ->
+    ``layers[:]/attn``)."""
+    names = {o.template for o in found if o.template is not None}
+    for o in found:
+        if o.template is None:
+            continue
+        top = min((n for n in names if o.template.startswith(n + "/")), key=len, default=None)
+        top = o.template if top is None else top
+        o.template = top + slot(depth) + o.template[len(top) :]
 
 
 def _number_calls(calls: list[Call]) -> None:

@@ -5,7 +5,8 @@ to the values they write, in program order. The graph is flat: call-like equatio
 remat, custom_jvp/vjp) whose bodies contain module calls are inlined, each inlining with
 fresh ids, so a boundary inside a jitted function is an ordinary value here. Loops and
 conditionals stay single equations; module calls inside their bodies are listed with
-`loop` set, and cannot be sliced at.
+`loop` set. `loops.py` writes chosen iterations of scans out, so that the calls in them
+become ordinary calls of a new graph.
 
 Constants (closed-over arrays and literals) are values with a known value. The program's
 invars are split into variables (the model's parameters and state, each with its key path),
@@ -57,6 +58,28 @@ class Slot:
 
 
 @dataclasses.dataclass(eq=False)
+class LoopSite:
+    """A loop (or conditional) equation whose body holds boundaries.
+
+    `eqn` is the equation as it appears in the traced jaxpr, or in the body of the loop
+    `parent` (the same object for every iteration of that parent).
+    """
+
+    eqn: Any
+    primitive: str
+    length: int | None  # iterations of a scan; None where there is no static count
+    parent: LoopSite | None = None
+
+    def chain(self) -> list[LoopSite]:
+        """The loops around a boundary, outermost first, ending with this one."""
+        return [*self.parent.chain(), self] if self.parent is not None else [self]
+
+    @property
+    def depth(self) -> int:
+        return 0 if self.parent is None else self.parent.depth + 1
+
+
+@dataclasses.dataclass(eq=False)
 class Call:
     """One module call (a boundary occurrence) in the flat program."""
 
@@ -71,13 +94,17 @@ class Call:
     out_slots: list[Slot]
     start: int  # index of the first equation of the call
     stop: int  # index one past its last equation
-    loop: str | None = None  # primitive of the enclosing loop, if inside one
+    loop: LoopSite | None = None  # the innermost loop around the call, if any
     count: int = 1  # how many calls share `name`
     path: tuple[str, ...] = ()
     # Order of the call's first input marker and last output marker among all markers;
     # orders events that share an equation position. None for name-scope regions.
     in_seq: float = float("inf")
     out_seq: float = float("-inf")
+    record: Any = None  # the `CallRecord` of a marked call
+    # For a call in a scan body: its name with one iteration slot per enclosing scan
+    # (see `loops.template_parts`); `name` shows each slot as ``[:]``.
+    template: str | None = None
 
     @property
     def is_module(self) -> bool:
@@ -140,6 +167,11 @@ class Graph:
     partial: bool = False  # traced only up to a slice's ends (no model output)
     build_seconds: float = 0.0  # time `build` took
     producer: dict[int, int] = dataclasses.field(default_factory=dict)
+    # What the graph was built from: ``(closed jaxpr, signature, name_scopes)``, so that
+    # loops can be written out (`loops.expand`) and the result built again.
+    source: Any = None
+    # Names that resolve to a call directly: per-iteration names in an expanded graph.
+    aliases: dict[tuple[str, int | None], Call] = dataclasses.field(default_factory=dict)
 
     def new_value(self, aval: Any) -> int:
         self.avals.append(aval)

@@ -57,10 +57,16 @@ class CallRecord:
     out_tree: Any = None
     out_is_array: tuple[bool, ...] = ()
     out_statics: dict[int, Any] = dataclasses.field(default_factory=dict)
+    # Set on the copies `loops.py` makes for one iteration of a loop (or all of them,
+    # stacked): the boundary's full name (``layers[2]/attn``) and what identifies it.
+    display: str | None = None
+    key: Any = None
 
     @property
     def name(self) -> str:
         """``path`` or ``path.method``, as boundary names are written."""
+        if self.display is not None:
+            return self.display
         if self.origin is Origin.MARK:
             return "/".join(self.path)  # the mark's own name, as the user wrote it
         name = join_name(self.path)

@@ -4,13 +4,19 @@ Grammar: ``path[.method][@k][:input|:output]``, where a module name holding one 
 ``\\ / @ : [`` has it escaped by a backslash (``a\\:input``). Names are exact strings, never prefixes
 or patterns. A name called more than once needs ``@k`` (call order, from 0). Without a
 port, a start means the module's input and an end means its output.
+
+A call inside a scan body has one iteration slot per enclosing scan, written after the
+name of the outermost call it is nested in: ``layers[2]/attn`` (iteration 2, ``[-1]``
+the last) or ``layers[:]/attn`` (every iteration, stacked). Such a name is a `LoopRef`
+here; `loops.py` writes the iterations out, and the new graph knows it as an alias.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .._errors import (
@@ -31,7 +37,9 @@ LITERAL = (
 )
 
 
-_SPEC = re.compile(r"((?:\\.|[^\\@:])*)(?:@(\d+))?(?::(input|output))?")
+_SPEC = re.compile(r"((?:\\.|\[[^\]]*\]|[^\\@:\[])*)(?:@(\d+))?(?::(input|output))?")
+_INDEX = re.compile(r"(\\.)|\[([^\]]*)\]")
+STACKED = ":"
 
 
 def parse(spec: str) -> tuple[str, int | None, str | None]:
@@ -54,14 +62,98 @@ def parse(spec: str) -> tuple[str, int | None, str | None]:
     return base, int(index) if index is not None else None, port
 
 
+def slot(depth: int) -> str:
+    """The iteration slot of the scan at `depth` in a call's template name."""
+    return f"[\x00{depth}]"
+
+
+_SLOT = re.compile(r"\[\x00(\d+)\]")
+
+
+def shown(template: str) -> str:
+    """A template name as listed: every iteration slot as ``[:]``."""
+    return _SLOT.sub("[:]", template)
+
+
+def fill(template: str, path: Sequence[Any]) -> str:
+    """A template name with the slot of depth d holding ``path[d]`` (an int or ``":"``)."""
+    return _SLOT.sub(lambda m: f"[{path[int(m.group(1))]}]", template)
+
+
+def unslotted(template: str) -> str:
+    """A template name without its iteration slots (the name the body's code uses)."""
+    return _SLOT.sub("", template)
+
+
+def slot_depths(template: str) -> list[int]:
+    """The depth of each slot of a template name, in the order they are written."""
+    return [int(d) for d in _SLOT.findall(template)]
+
+
+def split_indices(base: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A name's text around its iteration slots, and what each slot holds.
+
+    >>> split_indices("layers[2]/attn")
+    (('layers', '/attn'), ('2',))
+    >>> split_indices("head")
+    (('head',), ())
+    """
+    parts, indices, at = [], [], 0
+    for m in _INDEX.finditer(base):
+        if m.group(1) is None:
+            parts.append(base[at : m.start()])
+            indices.append(m.group(2).strip())
+            at = m.end()
+    parts.append(base[at:])
+    return tuple(parts), tuple(indices)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopRef:
+    """A name of one iteration (or of all, stacked) of a call inside scan bodies."""
+
+    spec: str
+    call: Call  # the call as listed in the traced graph (its template)
+    path: tuple[int | str, ...]  # per enclosing scan, outermost first: an iteration or ":"
+    side: str
+
+    @property
+    def key(self) -> tuple[int, tuple[int | str, ...]]:
+        """How the iteration's call is known in the expanded graph (`CallRecord.key`)."""
+        return (id(self.call.record), self.path)
+
+
+STACKED_START = (
+    "{spec!r} stacks the values of every iteration, so it can end a slice (or be read with "
+    "js.intermediates) but not start one. Start at one iteration, e.g. {example!r}."
+)
+BAD_INDEX = (
+    "{spec!r}: {index!r} is not an iteration of {loop}, which runs {length} times. Use an "
+    "integer from 0 to {last} (negative counts from the end: -1 is the last) or ':' for "
+    "every iteration, stacked."
+)
+SLOTS = (
+    "{spec!r} gives {given} iteration(s), but {name!r} is inside {count} nested scan(s); "
+    "write one [k] per scan, where `js.boundaries` lists [:]."
+)
+NOT_HERE = (
+    "{spec!r} names one iteration of a call inside a scan, which this function cannot "
+    "reach; slice at it with js.slice or read it with js.intermediates."
+)
+
+
 class Resolver:
     """Looks names up in one graph."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
         self.by_name: dict[str, list[Call]] = {}
+        self.by_parts: dict[tuple[str, ...], list[Call]] = {}
         for call in graph.calls:
             self.by_name.setdefault(call.name, []).append(call)
+            if call.template is not None:
+                parts = _template_parts(call.template)
+                self.by_parts.setdefault(parts, []).append(call)
 
     def all_names(self) -> list[str]:
         names = []
@@ -79,11 +171,64 @@ class Resolver:
                 f"({type(spec).__name__})."
             )
         base, index, port = parse(spec)
+        alias = self.graph.aliases.get((base, index))
+        if alias is not None:
+            return alias, port or default_port
+        if split_indices(base)[1] and base not in self.by_name:
+            self.loop_ref(spec, default_port)  # a clear error if the name is wrong
+            raise BoundaryInLoopError(NOT_HERE.format(spec=spec))
         self._check_literal(spec, base)
         call = self._pick(spec, base, index)
         if call.loop is not None:
             raise self._in_loop(spec, call)
         return call, port or default_port
+
+    def loop_ref(self, spec: Any, default_port: str) -> LoopRef | None:
+        """The iteration(s) a name with iteration slots picks; None for other names."""
+        if not isinstance(spec, str):
+            return None
+        base, index, port = parse(spec)
+        parts, given = split_indices(base)
+        if not given:
+            return None
+        calls = self.by_parts.get(parts)
+        if not calls:
+            raise UnknownBoundaryError(
+                UnknownBoundaryError.TEMPLATE.format(name=spec, hint=self._hint(base))
+            )
+        call = self._pick_among(spec, calls, index)
+        path = self._iterations(spec, call, given)
+        side = port or default_port
+        if STACKED in path and side == INPUT and default_port == INPUT:
+            example = spec.replace("[:]", "[0]")
+            raise InvalidSpecError(STACKED_START.format(spec=spec, example=example))
+        return LoopRef(spec, call, path, side)
+
+    def _pick_among(self, spec: str, calls: list[Call], index: int | None) -> Call:
+        if index is None:
+            return self._only_call(calls[0].name, calls)
+        if index >= len(calls):
+            raise UnknownBoundaryError(
+                f"{calls[0].name!r} is called {len(calls)} time(s) per iteration, so "
+                f"{spec!r} does not exist; valid calls are @0 to @{len(calls) - 1}."
+            )
+        return calls[index]
+
+    def _iterations(self, spec: str, call: Call, given: tuple[str, ...]) -> tuple[Any, ...]:
+        """The iteration picked in each enclosing scan, outermost first."""
+        depths = slot_depths(call.template or "")
+        sites = call.loop.chain() if call.loop is not None else []
+        if len(given) != len(depths):
+            raise InvalidSpecError(
+                SLOTS.format(spec=spec, given=len(given), name=call.name, count=len(depths))
+            )
+        for site in sites:
+            if site.length is None:
+                raise self._in_loop(spec, call)
+        path: list[Any] = [None] * len(depths)
+        for text, depth in zip(given, depths, strict=True):
+            path[depth] = _iteration(spec, text, sites[depth])
+        return tuple(path)
 
     def _check_literal(self, spec: str, base: str) -> None:
         """A name that is also, written literally, a module's own name is ambiguous."""
@@ -130,15 +275,34 @@ class Resolver:
             if c.loop is None and c.start <= call.start < c.stop
         ]
         hint = f", such as {outer[-1]!r}" if outer else ""
+        loop = call.loop
+        while loop is not None and loop.length is not None:
+            loop = loop.parent
+        if loop is None:  # a name-scope region inside a scan body
+            return BoundaryInLoopError(SCOPE_IN_SCAN.format(name=spec, outer=hint))
         return BoundaryInLoopError(
-            BoundaryInLoopError.TEMPLATE.format(name=spec, primitive=call.loop, outer=hint)
+            BoundaryInLoopError.TEMPLATE.format(name=spec, primitive=loop.primitive, outer=hint)
         )
 
     def _hint(self, base: str) -> str:
+        in_scan = self._in_scan_hint(base)
+        if in_scan:
+            return in_scan
         names = self.all_names()
         close = difflib.get_close_matches(base, names, n=3, cutoff=0.5) or _same_leaf(base, names)
         shown = self._spelled_out(parse(c)[0] for c in close)
         return f" Did you mean {', '.join(repr(c) for c in shown)}?" if shown else ""
+
+    def _in_scan_hint(self, base: str) -> str:
+        """For a call of a scan body named without its iteration: how to name one."""
+        parts = split_indices(base)[0]
+        calls = next((c for p, c in self.by_parts.items() if _without_slots(p) == parts), None)
+        if calls is None:
+            return ""
+        call = calls[0]
+        length = call.loop.chain()[0].length if call.loop is not None else None
+        one = call.name.replace("[:]", "[0]", 1)
+        return IN_SCAN.format(listed=call.name, one=one, last=(length or 1) - 1)
 
     def _spelled_out(self, bases: Iterable[str]) -> list[str]:
         """The names of every call of each of `bases` (once each), in order."""
@@ -157,3 +321,40 @@ def _same_leaf(base: str, names: list[str]) -> list[str]:
     """
     leaf = base.rsplit("/", 1)[-1]
     return [n for n in names if n.rsplit("/", 1)[-1] == leaf][:3]
+
+
+IN_SCAN = (
+    " It is called in every iteration of a scan (listed as {listed!r}): name one iteration, "
+    "e.g. {one!r} (from 0 to {last}; -1 is the last), or every iteration stacked, {listed!r}."
+)
+SCOPE_IN_SCAN = (
+    "{name!r} is a `jax.named_scope` region inside a scan body, which is not a boundary per "
+    "iteration. Wrap that code in `js.mark(name)` to name each iteration (`name[k]`), or "
+    "slice at the enclosing module{outer}."
+)
+
+
+def _template_parts(template: str) -> tuple[str, ...]:
+    return split_indices(shown(template))[0]
+
+
+def _without_slots(parts: tuple[str, ...]) -> tuple[str, ...]:
+    """The name a user writes without the iteration slots, as parts (one part)."""
+    return ("".join(parts),)
+
+
+def _iteration(spec: str, text: str, site: Any) -> int | str:
+    if text == STACKED:
+        return STACKED
+    length = site.length
+    try:
+        k = int(text)
+    except ValueError:
+        k = None
+    if k is None or not -length <= k < length:
+        raise UnknownBoundaryError(
+            BAD_INDEX.format(
+                spec=spec, index=text, loop=f"a `{site.primitive}`", length=length, last=length - 1
+            )
+        )
+    return k % length

@@ -27,6 +27,7 @@ from .._caches import LRU
 from .._errors import InputMismatchError, SliceError, VariablesMismatchError
 from .._trees import abstract, abstract_tree, hashable, is_traced_leaf, path_str, prune, tree_key
 from . import emit as emit_
+from . import loops
 from .plan import Plan, StateRules, plan
 from .trace import Traced, stop_specs, trace, trace_split
 
@@ -62,6 +63,9 @@ class Entry:
 
 
 def make_entry(traced: Traced, start: Any, end: Any) -> Entry:
+    refs = loops.loop_refs(traced.graph, start, end)
+    if refs:  # names of iterations inside scans: plan on the loops written out
+        traced = dataclasses.replace(traced, graph=loops.expanded(traced.graph, refs))
     adapter = traced.adapter
     rules = StateRules(adapter.state_owner, adapter.state_includes_variables)
     p = plan(traced.graph, start, end, traced.split.mutable, rules)

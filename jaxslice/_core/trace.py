@@ -31,7 +31,7 @@ from ..adapters import Adapter, Split, adapter_for
 from . import markers
 from .build import Signature, build
 from .graph import Graph
-from .names import parse
+from .names import parse, split_indices
 
 
 @dataclasses.dataclass
@@ -134,7 +134,8 @@ def stop_rule(
 
 
 def _is_name(spec: Any) -> bool:
-    return isinstance(spec, str)
+    """A name a trace can stop after: a string naming no iteration of a loop."""
+    return isinstance(spec, str) and not split_indices(parse(spec)[0])[1]
 
 
 def _needs(parsed: list[tuple[str, int | None, Any]]) -> dict[str, int]:

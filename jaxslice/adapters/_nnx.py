@@ -51,11 +51,20 @@ def module_paths(model: Any) -> dict[int, tuple[str, ...]]:
     return paths
 
 
+# NNX transforms (`nnx.scan`, `nnx.vmap`, `nnx.remat`, `nnx.jit`) call fresh copies of a
+# model's submodules, merged from its graph definition inside the transform. While a model
+# is traced, each submodule of the traced copy carries its path in this attribute, which
+# the graph definition (and so every such copy) keeps; it is removed after the call.
+_PATH_ATTRIBUTE = "_jaxslice_path"
+
+
 def _wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         paths = _PATHS.get()
-        path = None if paths is None else paths.get(id(self))
+        path = None
+        if paths is not None:
+            path = paths.get(id(self)) or self.__dict__.get(_PATH_ATTRIBUTE)
         busy = _IN_CALL.get()
         if not path or id(self) in busy:  # the root, a foreign module, or a super() call
             return original(self, *args, **kwargs)
@@ -102,15 +111,21 @@ def marked_calls(model: Any) -> Iterator[None]:
     from flax import nnx
 
     paths = module_paths(model)
-    classes = {type(node) for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
+    modules = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)]
+    classes = {type(node) for node in modules}
     classes = {cls for cls in classes if callable(getattr(cls, "__call__", None))}  # noqa: B004
     with _PATCH_LOCK:
         for cls in classes:
             _acquire(cls)
     token = _PATHS.set(paths)
+    tagged = [node for node in modules if paths.get(id(node))]
+    for node in tagged:
+        object.__setattr__(node, _PATH_ATTRIBUTE, paths[id(node)])
     try:
         yield
     finally:
+        for node in tagged:
+            node.__dict__.pop(_PATH_ATTRIBUTE, None)
         _PATHS.reset(token)
         with _PATCH_LOCK:
             for cls in classes:

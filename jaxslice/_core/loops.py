@@ -1,0 +1,523 @@
+"""Per-iteration boundaries of scans: writing out the iterations a slice names.
+
+A call inside a `scan` body runs once per iteration. A name such as ``layers[2]/attn``
+(one iteration) or ``layers[:]/attn`` (every iteration, stacked) is resolved against the
+traced graph, where that call is listed once with its loop (a `names.LoopRef`). `expand`
+then traces the program again, evaluating its equations one by one, with each loop that
+a name points into split into pieces:
+
+* the iterations before and after a named one run as `lax.scan`s over row ranges of the
+  stacked operands, so stacked parameters stay whole arrays of the program, and the rows
+  a slice does not use get zero gradient;
+* a named iteration is written out equation by equation, its markers bound again as the
+  iteration's own calls (``layers[2]``, ``layers[2]/attn``, ...), so they are ordinary
+  calls of the new graph;
+* a named whole iteration of the body's outermost call whose ports are the loop's carry
+  and constants (a transformer block) is marked on the carry between two pieces instead,
+  so that the pieces around it stay single scans;
+* a stacked name is an extra stacked result of every piece, concatenated and marked once
+  after the loop.
+
+Loops inside pieces lose their markers, so the re-emitted program holds none. The new
+program is built into a graph like any other (`build.build`); the calls it adds are
+found there by `CallRecord.key`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _compat
+from .._errors import SliceError
+from .build import build
+from .graph import Graph
+from .markers import INPUT, OUTPUT, PLACEHOLDER, CallRecord, Marker
+from .names import STACKED, LoopRef, Resolver, fill, parse
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclasses.dataclass
+class _Body:
+    """What to do inside one loop body (or the top-level program)."""
+
+    loops: dict[int, _Loop] = dataclasses.field(default_factory=dict)  # by id of the eqn
+    targets: set[tuple[int, str]] = dataclasses.field(default_factory=set)  # (record, side)
+
+
+@dataclasses.dataclass
+class _Loop:
+    """What to do with one loop equation: iterations to write out, values to stack."""
+
+    splits: dict[int, _Body] = dataclasses.field(default_factory=dict)
+    stacked: _Body | None = None
+
+
+def request(refs: Sequence[LoopRef]) -> _Body:
+    """The loops to split, and how, for these names."""
+    root = _Body()
+    for ref in refs:
+        body = root
+        for site, index in zip(ref.call.loop.chain(), ref.path, strict=True):
+            loop = body.loops.setdefault(id(site.eqn), _Loop())
+            if index == STACKED:
+                loop.stacked = loop.stacked or _Body()
+                body = loop.stacked
+            else:
+                body = loop.splits.setdefault(index, _Body())
+        body.targets.add((id(ref.call.record), ref.side))
+    return root
+
+
+def _merged(a: _Body | None, b: _Body | None) -> _Body:
+    """Both requests for one body."""
+    if a is None or b is None:
+        return a or b or _Body()
+    loops = dict(a.loops)
+    for key, loop in b.loops.items():
+        mine = loops.get(key)
+        loops[key] = loop if mine is None else _merged_loop(mine, loop)
+    return _Body(loops, a.targets | b.targets)
+
+
+def _merged_loop(a: _Loop, b: _Loop) -> _Loop:
+    splits = dict(a.splits)
+    for k, body in b.splits.items():
+        splits[k] = _merged(splits.get(k), body)
+    stacked = _merged(a.stacked, b.stacked) if a.stacked or b.stacked else None
+    return _Loop(splits, stacked)
+
+
+def _relative_targets(body: _Body, prefix: tuple[Any, ...] = ()) -> set[tuple[int, tuple]]:
+    """``(record, path below this body)`` of every name a stacked body holds."""
+    found = {(rid, prefix) for rid, _ in body.targets}
+    for loop in body.loops.values():
+        for k, sub in loop.splits.items():
+            found |= _relative_targets(sub, (*prefix, k))
+        if loop.stacked is not None:
+            found |= _relative_targets(loop.stacked, (*prefix, STACKED))
+    return found
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@dataclasses.dataclass
+class _Frame:
+    """Collects, for one loop with a stacked name, the values to stack per iteration."""
+
+    depth: int  # paths below this loop start here
+    targets: set[tuple[int, tuple]]
+    store: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict)
+    records: dict[int, CallRecord] = dataclasses.field(default_factory=dict)
+
+    def fresh(self) -> _Frame:
+        return _Frame(self.depth, self.targets, {}, self.records)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+    rebind: bool  # markers are bound again: the top-level trace, iterations written out in it
+    path: tuple[Any, ...]  # the iteration of each enclosing scan (":" inside a piece)
+    frames: tuple[_Frame, ...]
+
+
+class _Expander:
+    def __init__(self, templates: dict[int, str]):
+        self.templates = templates
+        self.renamed: dict[Any, CallRecord] = {}
+        self._has_markers: dict[int, bool] = {}
+        self._edges: dict[int, dict[int, Any]] = {}
+
+    # ------------------------------------------------------------------ equations
+
+    def run(
+        self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], body: _Body, ctx: _Ctx
+    ) -> list[Any]:
+        env: dict[Any, Any] = {}
+        _write(env, jaxpr.constvars, consts)
+        _write(env, jaxpr.invars, args)
+        for eqn in jaxpr.eqns:
+            ins = [_read(env, a) for a in eqn.invars]
+            _write(env, eqn.outvars, self.eqn(eqn, ins, body, ctx))
+        return [_read(env, a) for a in jaxpr.outvars]
+
+    def eqn(self, eqn: Any, ins: list[Any], body: _Body, ctx: _Ctx) -> list[Any]:
+        marker = _compat.marker_payload(eqn)
+        if marker is not None:
+            if ctx.path:
+                self.emit(marker.record, ctx.path, marker.side, marker.leaf, ins[0], ctx)
+                return [ins[0]]
+            return _compat.bind_eqn(eqn, ins)
+        loop = body.loops.get(id(eqn))
+        if loop is not None:
+            return self.loop(eqn, ins, loop, ctx)
+        if not self.has_markers(eqn) or (not ctx.path and not self._holds(eqn, body)):
+            return _compat.bind_eqn(eqn, ins)
+        inner = _compat.call_body(eqn)
+        if inner is not None:  # jit, remat, ...: its markers belong to this iteration
+            return self.run(inner[0], inner[1], ins, body, ctx)
+        if _compat.loop_primitive(eqn) == "scan":  # a scan not named: one piece, no markers
+            return self.loop(eqn, ins, _Loop(), ctx)
+        return _compat.bind_eqn(eqn, ins)
+
+    def has_markers(self, eqn: Any) -> bool:
+        return any(self._jaxpr_has_markers(j) for j in _compat.subjaxprs(eqn))
+
+    def _jaxpr_has_markers(self, jaxpr: Any) -> bool:
+        key = id(jaxpr)
+        if key not in self._has_markers:
+            self._has_markers[key] = any(
+                _compat.marker_payload(e) is not None or self.has_markers(e) for e in jaxpr.eqns
+            )
+        return self._has_markers[key]
+
+    def _holds(self, eqn: Any, body: _Body) -> bool:
+        """Whether a loop to split is inside `eqn` (a jit around the model, say)."""
+        return any(_finds(j, body.loops.keys()) for j in _compat.subjaxprs(eqn))
+
+    # ------------------------------------------------------------------ markers
+
+    def emit(
+        self, record: CallRecord, path: tuple[Any, ...], side: str, leaf: int, value: Any, ctx: _Ctx
+    ) -> None:
+        """One marker of an iteration's call (or of a stacked one): kept for the loops that
+        stack it, and bound again under the iteration's name where markers are bound."""
+        rid = id(record)
+        for frame in ctx.frames:
+            rel = path[frame.depth :]
+            if (rid, rel) in frame.targets:
+                frame.store[(rid, rel, side, leaf)] = value
+                frame.records[rid] = record
+        if ctx.rebind:
+            _compat.bind_marker(value, Marker(self.record(record, path), side, leaf), side)
+
+    def record(self, record: CallRecord, path: tuple[Any, ...], sides: Any = None) -> CallRecord:
+        """The copy of `record` for the iteration(s) `path` (one object per call)."""
+        key = (id(record), path)
+        found = self.renamed.get(key)
+        if found is None:
+            template = self.templates.get(id(record))
+            if template is not None:
+                display = fill(template, path)
+            else:
+                display = record.name + "".join(f"[{k}]" for k in path)
+            found = dataclasses.replace(record, display=display, key=key)
+            if sides is not None:
+                found = _with_sides(found, sides)
+            self.renamed[key] = found
+        return found
+
+    # ------------------------------------------------------------------ loops
+
+    def loop(self, eqn: Any, ins: list[Any], req: _Loop, ctx: _Ctx) -> list[Any]:
+        parts = _compat.scan_parts(eqn)
+        nc, nk = parts.num_consts, parts.num_carry
+        consts, carry, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
+        frame = None
+        if req.stacked is not None:
+            frame = _Frame(len(ctx.path) + 1, _relative_targets(req.stacked))
+        edges = self.edges(eqn, parts, req, ctx)
+        pieces = _pieces(parts.length, req.splits, edges, parts.reverse)
+        done: dict[int, tuple[list[Any], dict[Any, Any]]] = {}
+        for a, b, written in pieces if not parts.reverse else reversed(pieces):
+            first, last = (b - 1, a) if parts.reverse else (a, b - 1)
+            self._edge(edges.get(first), INPUT, first, consts, carry, ctx)
+            if written:
+                body = _merged(req.splits.get(a), req.stacked)
+                carry, ys, store = self.iteration(parts, consts, carry, xs, a, body, ctx, frame)
+            else:
+                carry, ys, store = self.piece(parts, consts, carry, xs, (a, b), req.stacked, ctx, frame)
+            self._edge(edges.get(last), OUTPUT, last, consts, carry, ctx)
+            done[a] = (ys, store)
+        rows = [done[a] for a, _, _ in pieces]
+        if frame is not None:
+            self._emit_stacked(frame, [store for _, store in rows], ctx)
+        ys = [_concat([r[0][i] for r in rows]) for i in range(len(parts.jaxpr.outvars) - nk)]
+        return [*carry, *ys]
+
+    def iteration(
+        self,
+        parts: Any,
+        consts: list[Any],
+        carry: list[Any],
+        xs: list[Any],
+        k: int,
+        body: _Body,
+        ctx: _Ctx,
+        frame: _Frame | None,
+    ) -> tuple[list[Any], list[Any], dict[Any, Any]]:
+        """Iteration `k` written out in the current trace."""
+        x_k = [jax.lax.index_in_dim(x, k, keepdims=False) for x in xs]
+        local = frame.fresh() if frame is not None else None
+        frames = ctx.frames + ((local,) if local is not None else ())
+        sub = _Ctx(ctx.rebind, (*ctx.path, k), frames)
+        outs = self.run(parts.jaxpr, parts.consts, [*consts, *carry, *x_k], body, sub)
+        nk = parts.num_carry
+        store = {key: v[None] for key, v in local.store.items()} if local is not None else {}
+        return outs[:nk], [y[None] for y in outs[nk:]], store
+
+    def piece(
+        self,
+        parts: Any,
+        consts: list[Any],
+        carry: list[Any],
+        xs: list[Any],
+        rows: tuple[int, int],
+        body: _Body | None,
+        ctx: _Ctx,
+        frame: _Frame | None,
+    ) -> tuple[list[Any], list[Any], dict[Any, Any]]:
+        """Iterations ``a:b`` as one scan over those rows; stacked names as extra results."""
+        a, b = rows
+        nk = parts.num_carry
+        keys: list[Any] = []
+
+        def step(c: list[Any], x: list[Any]) -> Any:
+            local = frame.fresh() if frame is not None else None
+            sub = _Ctx(False, (*ctx.path, STACKED), (local,) if local is not None else ())
+            outs = self.run(parts.jaxpr, parts.consts, [*consts, *c, *x], body or _Body(), sub)
+            keys[:] = list(local.store) if local is not None else []
+            extra = [local.store[key] for key in keys] if local is not None else []
+            return list(outs[:nk]), (list(outs[nk:]), extra)
+
+        xs_ab = [jax.lax.slice_in_dim(x, a, b) for x in xs]
+        unroll = parts.unroll
+        if isinstance(unroll, int) and not isinstance(unroll, bool):
+            unroll = max(1, min(unroll, b - a))
+        carry, (ys, extra) = jax.lax.scan(
+            step, list(carry), xs_ab, length=b - a, reverse=parts.reverse, unroll=unroll
+        )
+        return list(carry), list(ys), dict(zip(keys, extra, strict=True))
+
+    def _emit_stacked(self, frame: _Frame, stores: list[dict[Any, Any]], ctx: _Ctx) -> None:
+        """Each stacked name's values of all pieces, in row order, as one call."""
+        keys = list(stores[0]) if stores else []
+        calls = list(dict.fromkeys(key[:2] for key in keys))  # (record, path), in order
+        keys.sort(key=lambda key: (calls.index(key[:2]), key[2] != INPUT, key[3]))
+        for key in keys:
+            rid, rel, side, leaf = key
+            value = _concat([store[key] for store in stores])
+            self.emit(frame.records[rid], (*ctx.path, STACKED, *rel), side, leaf, value, ctx)
+
+    # ------------------------------------------------------------------ carry boundaries
+
+    def edges(self, eqn: Any, parts: Any, req: _Loop, ctx: _Ctx) -> dict[int, Any]:
+        """Iterations named only as a whole call whose ports are the carry: ``{k: edge}``."""
+        if not ctx.rebind:
+            return {}
+        found = {}
+        maps = self._edge_maps(parts)
+        for k, body in req.splits.items():
+            rids = {rid for rid, _ in body.targets}
+            if body.loops or len(rids) != 1 or next(iter(rids)) not in maps:
+                continue
+            rid = next(iter(rids))
+            record, ports = maps[rid]
+            sides = frozenset(side for _, side in body.targets)
+            found[k] = _Edge(self.record(record, (*ctx.path, k), sides), ports, sides)
+        return found
+
+    def _edge_maps(self, parts: Any) -> dict[int, Any]:
+        key = id(parts.jaxpr)
+        if key not in self._edges:
+            self._edges[key] = _carry_ports(parts)
+        return self._edges[key]
+
+    def _edge(
+        self, edge: Any, side: str, k: int, consts: list[Any], carry: list[Any], ctx: _Ctx
+    ) -> None:
+        if edge is None or side not in edge.sides:
+            return
+        record = edge.record
+        if side == OUTPUT and INPUT not in edge.sides:
+            _placeholder(record, INPUT)
+        sources = {"const": consts, "carry": carry}
+        leaves = edge.ports[side]
+        for leaf, (kind, i) in leaves:
+            _compat.bind_marker(sources[kind][i], Marker(record, side, leaf), side)
+        if not leaves:
+            _placeholder(record, side)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Edge:
+    record: CallRecord
+    ports: dict[str, list[tuple[int, tuple[str, int]]]]
+    sides: frozenset[str]
+
+
+def _placeholder(record: CallRecord, side: str) -> None:
+    _compat.bind_marker(np.zeros((), np.bool_), Marker(record, side, PLACEHOLDER), side)
+
+
+def _with_sides(record: CallRecord, sides: frozenset[str]) -> CallRecord:
+    """A record with the sides not asked for left empty (no silent ``None`` leaves)."""
+    if INPUT not in sides:
+        empty = jax.tree_util.tree_structure(((), {}))
+        record = dataclasses.replace(record, in_tree=empty, in_is_array=())
+    if OUTPUT not in sides:
+        empty = jax.tree_util.tree_structure(())
+        record = dataclasses.replace(record, out_tree=empty, out_is_array=(), out_statics={})
+    return record
+
+
+def _carry_ports(parts: Any) -> dict[int, Any]:
+    """Records called directly in a scan body, once, whose array inputs are the body's
+    constants or carry and whose array outputs are its carry results.
+
+    Returns ``{id(record): (record, {side: [(leaf, (kind, index))]})}``.
+    """
+    nc, nk = parts.num_consts, parts.num_carry
+    invars = {v: i for i, v in enumerate(parts.jaxpr.invars)}
+    outvars: dict[Any, int] = {}
+    for i, v in enumerate(parts.jaxpr.outvars[:nk]):
+        if not _compat.is_literal(v):
+            outvars.setdefault(v, i)
+    found: dict[int, Any] = {}
+    refused: set[int] = set()
+    for eqn in parts.jaxpr.eqns:
+        marker = _compat.marker_payload(eqn)
+        if marker is None or marker.leaf == PLACEHOLDER:
+            continue
+        rid = id(marker.record)
+        source = _port_source(eqn.invars[0], marker.side, invars, outvars, nc, nk)
+        record, ports = found.setdefault(rid, (marker.record, {INPUT: [], OUTPUT: []}))
+        if source is None or any(leaf == marker.leaf for leaf, _ in ports[marker.side]):
+            refused.add(rid)
+        ports[marker.side].append((marker.leaf, source))
+    for rid in refused:
+        found.pop(rid, None)
+    return found
+
+
+def _port_source(
+    var: Any, side: str, invars: dict[Any, int], outvars: dict[Any, int], nc: int, nk: int
+) -> tuple[str, int] | None:
+    if _compat.is_literal(var):
+        return None
+    if side == INPUT:
+        i = invars.get(var)
+        if i is None or i >= nc + nk:
+            return None
+        return ("const", i) if i < nc else ("carry", i - nc)
+    j = outvars.get(var)
+    return None if j is None else ("carry", j)
+
+
+def _pieces(
+    length: int, splits: dict[int, Any], edges: dict[int, _Edge], reverse: bool
+) -> list[tuple[int, int, bool]]:
+    """Row ranges ``(a, b, written_out)`` covering ``0:length`` in ascending order."""
+    cuts = {0, length}
+    written = set()
+    for k in splits:
+        edge = edges.get(k)
+        if edge is None:
+            cuts |= {k, k + 1}
+            written.add(k)
+            continue
+        starts_at = k + 1 if reverse else k  # where the iteration's input is, in rows
+        if INPUT in edge.sides:
+            cuts.add(starts_at)
+        if OUTPUT in edge.sides:
+            cuts.add(k if reverse else k + 1)
+    ordered = sorted(cuts)
+    return [(a, b, a in written and b == a + 1) for a, b in zip(ordered, ordered[1:]) if b > a]
+
+
+def _concat(values: list[Any]) -> Any:
+    return values[0] if len(values) == 1 else jax.numpy.concatenate(values, axis=0)
+
+
+def _finds(jaxpr: Any, eqn_ids: Any) -> bool:
+    """Whether an equation with one of `eqn_ids` is in `jaxpr` (at any depth)."""
+    return any(
+        id(e) in eqn_ids or any(_finds(j, eqn_ids) for j in _compat.subjaxprs(e))
+        for e in jaxpr.eqns
+    )
+
+
+def _read(env: dict[Any, Any], atom: Any) -> Any:
+    return _compat.literal_value(atom) if _compat.is_literal(atom) else env[atom]
+
+
+def _write(env: dict[Any, Any], atoms: Sequence[Any], values: Sequence[Any]) -> None:
+    for v, x in zip(atoms, values, strict=True):
+        if not _compat.is_dropvar(v):
+            env[v] = x
+
+
+# --------------------------------------------------------------------------- entry
+
+
+def loop_refs(graph: Graph, start: Any, end: Any) -> list[LoopRef]:
+    """The names in `start` and `end` that pick iterations of calls inside scans."""
+    resolver = Resolver(graph)
+    found = [resolver.loop_ref(spec, INPUT) for spec in _specs(start)]
+    found += [resolver.loop_ref(_name_of(spec), OUTPUT) for spec in _specs(end)]
+    return [ref for ref in found if ref is not None]
+
+
+def _specs(spec: Any) -> list[Any]:
+    if isinstance(spec, (list, tuple)):
+        return list(spec)
+    if isinstance(spec, dict):
+        return list(spec.values())
+    return [spec]
+
+
+def _name_of(spec: Any) -> Any:
+    return getattr(spec, "name", spec) if not isinstance(spec, str) else spec
+
+
+def expanded(graph: Graph, refs: Sequence[LoopRef]) -> Graph:
+    """`expand`, remembered per graph and names."""
+    key = tuple((ref.spec, ref.key, ref.side) for ref in refs)
+    cache = graph.__dict__.setdefault("_expanded", {})
+    if key not in cache:
+        cache[key] = expand(graph, refs)
+    return cache[key]
+
+
+def expand(graph: Graph, refs: Sequence[LoopRef]) -> Graph:
+    """A graph of the same program with the loops `refs` point into written out; each
+    name in `refs` is an alias of its call there."""
+    closed, signature, name_scopes = graph.source
+    templates = {id(c.record): c.template for c in graph.calls if c.template is not None}
+    expander = _Expander(templates)
+    root = request(refs)
+    jaxpr, consts = _compat.open_jaxpr(closed)
+
+    def program(*args: Any) -> list[Any]:
+        return expander.run(jaxpr, consts, args, root, _Ctx(True, (), ()))
+
+    avals = [_spec(v) for v in jaxpr.invars]
+    expanded, _ = _compat.make_jaxpr(program, *avals)
+    new = build(expanded, signature, name_scopes=name_scopes)
+    new.partial = graph.partial
+    by_key = {c.record.key: c for c in new.calls if c.record is not None and c.record.key}
+    lost = [ref.spec for ref in refs if ref.key not in by_key]
+    if lost:
+        raise SliceError(LOST.format(names=lost))
+    new.aliases = {parse(ref.spec)[:2]: by_key[ref.key] for ref in refs}
+    return new
+
+
+LOST = (
+    "The iteration(s) {names} could not be found again once their loop was written out "
+    "(a call whose values the loop body does not use, say). Slice at an enclosing call."
+)
+
+
+def _spec(var: Any) -> Any:
+    aval = _compat.aval_of(var)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+_compat.register_frames_exclusion(__file__)
