@@ -29,11 +29,17 @@ class Config:
     round_s: float  # ...of about this many seconds per side
     reps: int  # one-shot pairs (builds): alternated repetitions
     naive_batches: int
+    scan_depth: int = 24  # rows 10-12: blocks in the scanned stack...
+    scan_shape: tuple[int, int, int] = (8, 64, 128)  # ...its input: batch, tokens, width
+    scan_end: int = 2  # slice(end=f"layers[{scan_end}]")
+    scan_start: int = 20  # slice(start=f"layers[{scan_start}]")
 
     @classmethod
     def make(cls, quick: bool) -> Config:
         if quick:
-            return cls(True, "resnet10", 32, 4, "resnet18", ("resnet18", "resnet34"), 3, 0.02, 3, 1)
+            scan = {"scan_depth": 12, "scan_shape": (4, 32, 64), "scan_end": 2, "scan_start": 8}
+            archs = ("resnet18", "resnet34")
+            return cls(True, "resnet10", 32, 4, "resnet18", archs, 3, 0.02, 3, 1, **scan)
         scaling = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
         return cls(False, "resnet50", 64, 8, "resnet50", scaling, 11, 0.2, 9, 2)
 

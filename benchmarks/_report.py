@@ -26,7 +26,9 @@ def header(cfg: Config) -> str:
         f"{jax.devices()[0].platform} x{jax.device_count()}, {os.cpu_count()} CPUs. "
         f"Compiled rows: {cfg.arch} on {cfg.size}x{cfg.size}x3, batch {cfg.batch}, "
         f"{cfg.rounds} rounds of ~{cfg.round_s}s (calls alternated); builds: {cfg.build_arch}, "
-        f"{cfg.reps} reps (alternated, fresh model each); medians."
+        f"{cfg.reps} reps (alternated, fresh model each); scanned rows: {cfg.scan_depth} "
+        f"transformer blocks in one nn.scan on {'x'.join(map(str, cfg.scan_shape))} "
+        "(batch x tokens x width); medians."
     )
 
 

@@ -18,6 +18,11 @@ Groups (``--only``), each a module here:
   builds    3. building a slice (trace + analysis) / one jax.make_jaxpr      <= 1.5
             4. building a slice that ends early (stage2) / one make_jaxpr    < 1.0
             5. analysis alone: < 0.1 s on ResNet-152, linear in equations
+  scanned  10. forward of a slice of a scanned stack (nn.scan, 24 blocks):
+                input->layers[2] / full forward                               <= 3/24 + 0.05
+                layers[20]->output / full forward                             <= 4/24 + 0.05
+           11. js.intermediates(layers[:]) / unrolled twin's capture_intermediates  <= 1.1
+           12. XLA compile of those slices / of the full scanned model         <= 1.0
   torch     9. torchvision's create_feature_extractor build (skipped without torch)
 
 Only the public API of jaxslice is used. The exit status is 1 when a retrace count (exact)
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -38,7 +44,12 @@ from typing import Any
 import _report
 from _common import Config
 
-GROUPS = {"compiled": "compiled", "builds": "builds", "torch": "torchvision_row"}
+GROUPS = {
+    "compiled": "compiled",
+    "builds": "builds",
+    "scanned": "scanned",
+    "torch": "torchvision_row",
+}
 EXACT = ("8.",)  # rows whose check is noise-free: they fail the run even without --strict
 
 
@@ -67,8 +78,13 @@ def run_groups(names: Sequence[str], cfg: Config, start: float) -> dict[str, Any
         out = importlib.import_module(GROUPS[name]).run(cfg, log)
         results["rows"] += out.pop("rows")
         results.update(out)
-    results["rows"].sort(key=lambda r: r["measure"][:3])
+    results["rows"].sort(key=row_number)
     return results
+
+
+def row_number(r: dict[str, Any]) -> int:
+    """A row's number ("4" of "4a. ..."): rows sort by it, and keep their order within it."""
+    return int(re.match(r"\d*", r["measure"]).group() or 0)
 
 
 def failed(rows: Sequence[dict[str, Any]], strict: bool) -> list[str]:

@@ -254,7 +254,23 @@ def test_mark_needs_a_non_empty_name(name):
 # --------------------------------------------------------------------------- loops
 
 
-def test_boundary_inside_a_scan_body_is_an_error_naming_the_whole_loop():
+def test_boundary_inside_a_while_body_is_an_error_naming_the_whole_loop():
+    step = js.mark("step", lambda c: c * 0.5)
+
+    def model(p, x):
+        with jax.named_scope("loop"):
+            c = jax.lax.while_loop(lambda c: c.sum() > 1.0, step, x + p)
+        return c
+
+    p, x = jnp.zeros(4), jnp.full(4, 3.0)
+    with pytest.raises(js.BoundaryInLoopError) as info:
+        js.slice(model, p, x, end="loop/step")
+    assert "while" in str(info.value) and "'loop'" in str(info.value)
+    # Slicing at the loop as a whole works.
+    assert jnp.allclose(js.slice(model, p, x, end="loop")(x), model(p, x))
+
+
+def test_bare_name_of_a_call_in_a_scan_body_says_how_to_name_an_iteration():
     step = js.mark("step", lambda c, x: (jnp.tanh(c + x), c))
 
     def model(p, xs):
@@ -263,9 +279,12 @@ def test_boundary_inside_a_scan_body_is_an_error_naming_the_whole_loop():
         return c
 
     p, xs = jnp.zeros(4), jnp.ones((3, 4))
-    with pytest.raises(js.BoundaryInLoopError) as info:
+    with pytest.raises(js.UnknownBoundaryError) as info:
         js.slice(model, p, xs, end="loop/step")
-    assert "scan" in str(info.value) and "'loop'" in str(info.value)
+    assert "'loop/step[0]'" in str(info.value) and "'loop/step[:]'" in str(info.value)
+    with pytest.raises(js.UnknownBoundaryError, match="runs 3 times"):
+        js.slice(model, p, xs, end="loop/step[3]")
+    with pytest.raises(js.InvalidSpecError, match="not start"):
+        js.slice(model, p, xs, start="loop/step[:]", end="loop/step[2]")
     # Slicing at the loop as a whole works.
-    expected = model(p, xs)
-    assert jnp.allclose(js.slice(model, p, xs, end="loop")(xs), expected)
+    assert jnp.allclose(js.slice(model, p, xs, end="loop")(xs), model(p, xs))

@@ -1,8 +1,8 @@
-"""NNX lifted transforms (nnx.remat, nnx.scan): slicing around and across them.
+"""NNX lifted transforms (nnx.remat, nnx.scan): slicing around, across and inside them.
 
-Inside an NNX transform the module is a copy made by the transform, so its calls are
-not boundaries (documented in the README); boundaries before and after work, and a slice
-across the transform equals the eager model.
+Inside an NNX transform the module is a copy made by the transform; its calls are still
+boundaries under the model's own attribute paths, and a slice across or inside the
+transform equals the eager model.
 """
 
 import jax
@@ -57,12 +57,15 @@ X = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3)), jnp.float32)
 
 def test_slice_across_nnx_remat_equals_the_model():
     m = Remat(nnx.Rngs(0))
-    assert [b.name for b in js.boundaries(m, X)] == ["stem", "head"]
+    assert [b.name for b in js.boundaries(m, X)] == ["stem", "rem", "rem/lin", "head"]
+    np.testing.assert_allclose(
+        js.slice(m, X, start="rem", end="rem/lin")(m.stem(X)), m.rem.lin(m.stem(X)), atol=1e-6
+    )
     sub = js.slice(m, X, start="stem:output", end="head")
     np.testing.assert_allclose(sub(m.stem(X)), m(X), atol=1e-6)
     grads = nnx.grad(lambda s: (s(m.stem(X)) ** 2).sum())(sub)
-    # The slice holds `head` and the remat block's layer, and both get gradients.
-    assert sub.parts[1] is m.rem.lin
+    # The slice holds `head` and the remat block, and both get gradients.
+    assert sub.parts[1] is m.rem
     leaves = jax.tree_util.tree_leaves(grads)
     assert len(leaves) == 4 and all(float(jnp.abs(v).sum()) > 0 for v in leaves)
 
