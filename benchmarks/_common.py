@@ -37,7 +37,7 @@ class Config:
     @classmethod
     def make(cls, quick: bool) -> Config:
         if quick:
-            scan = {"scan_depth": 12, "scan_shape": (4, 32, 64), "scan_end": 2, "scan_start": 8}
+            scan = {"scan_depth": 12, "scan_end": 2, "scan_start": 8}
             archs = ("resnet18", "resnet34")
             return cls(True, "resnet10", 32, 4, "resnet18", archs, 3, 0.02, 3, 1, **scan)
         scaling = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")

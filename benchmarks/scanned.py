@@ -2,7 +2,7 @@
 
 The model is a stack of pre-LayerNorm transformer blocks (self-attention and a gelu MLP,
 each with a residual) run by ``nn.scan`` as one module named ``layers``: 24 blocks on
-batch 8 x 64 tokens x width 128 (``--quick``: 12 blocks on 4 x 32 x 64), so the forward
+batch 8 x 64 tokens x width 128 (``--quick``: 12 blocks), so the forward
 is almost all blocks. Its twin `Unrolled` calls the same blocks in a Python loop
 (``layers_0``, ``layers_1``...) with the same weights, unstacked; its
 ``capture_intermediates`` is both the reference of row 11 and the check of every slice,
@@ -30,7 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from _common import Config, Log, meets, row
-from _timing import Op, check_close, compare, paired
+from _timing import Op, check_close, compare, compiled_cost, paired
 
 import jaxslice as js
 
@@ -119,7 +119,10 @@ class Subjects:
     unrolled_vars: Any
     capture: Callable[..., Any]  # the twin's blocks under capture_intermediates, jitted
     block_outs: list[Any]  # block i's output, from the twin
-    full_iterations: int
+    full_iterations: int  # block iterations the full model runs
+    head: Any  # js.slice(end=f"layers[{cfg.scan_end}]")
+    tail: Any  # js.slice(start=f"layers[{cfg.scan_start}]", end=None)...
+    tail_input: Any  # ...and its input: the previous block's output
 
 
 def _unstacked(variables: Any, depth: int) -> Any:
@@ -145,9 +148,16 @@ def subjects(cfg: Config, log: Log) -> Subjects:
     check_close(full(variables, x), out, "scanned model vs its unrolled twin", 1e-3)
     block_outs = [state["intermediates"][f"layers_{i}"]["__call__"][0][0] for i in range(depth)]
     iterations = scan_iterations(_jaxpr_of(jax.make_jaxpr(model.apply)(variables, x)))
+    e, st = cfg.scan_end, cfg.scan_start
+    head = js.slice(model, variables, x, end=f"layers[{e}]")
+    tail = js.slice(model, variables, x, start=f"layers[{st}]", end=None)
+    tail_input = block_outs[st - 1]
+    check_close(head(x)[0], block_outs[e], f"slice(end=layers[{e}]) vs the twin's block {e}")
+    check_close(tail(tail_input), out, f"slice(start=layers[{st}]) vs the twin", 1e-3)
     return Subjects(
-        depth, model, variables, x, full, unrolled, unrolled_vars, capture, block_outs, iterations
-    )
+        depth, model, variables, x, full, unrolled, unrolled_vars, capture, block_outs,
+        iterations, head, tail, tail_input,
+    )  # fmt: skip
 
 
 def _iterations_note(sub: Any, s: Subjects) -> tuple[int, str]:
@@ -158,30 +168,41 @@ def _iterations_note(sub: Any, s: Subjects) -> tuple[int, str]:
 def forward_rows(s: Subjects, cfg: Config) -> list[dict[str, Any]]:
     """Row 10: a slice of the first iterations, and one of the last, vs the full forward."""
     e, st, n = cfg.scan_end, cfg.scan_start, s.depth
-    head = js.slice(s.model, s.variables, s.x, end=f"layers[{e}]")
-    tail = js.slice(s.model, s.variables, s.x, start=f"layers[{st}]", end=None)
-    feats = s.block_outs[st - 1]  # layers[st]'s input: the previous block's output
-    check_close(head(s.x)[0], s.block_outs[e], f"slice(end=layers[{e}]) vs the twin's block")
-    check_close(tail(feats), s.full(s.variables, s.x), f"slice(start=layers[{st}]) vs full", 1e-3)
     model = f"{n}-block scan"
     cases = (
-        (f"10. forward: input->layers[{e}] / jitted full forward ({model})", head, s.x, e + 1),
-        (f"10. forward: layers[{st}]->output / jitted full forward ({model})", tail, feats, n - st),
-    )
+        (f"10. forward: input->layers[{e}] / jitted full forward ({model})", s.head, s.x, e + 1),
+        (f"10. forward: layers[{st}]->output / jitted full forward ({model})", s.tail,
+         s.tail_input, n - st),
+    )  # fmt: skip
     rows = []
     for label, sub, inp, runs in cases:
-        res = compare(lambda sub=sub, inp=inp: sub(inp), lambda: s.full(s.variables, s.x),
-                      cfg.rounds, cfg.round_s)
+        res = compare(
+            lambda sub=sub, inp=inp: sub(inp),
+            lambda: s.full(s.variables, s.x),
+            cfg.rounds,
+            cfg.round_s,
+        )
         # the slice's program alone (no jaxslice dispatch), jitted like the reference
         f_jit = jax.jit(lambda v, a, sub=sub: sub.apply(v, a))
-        jitted = compare(lambda f_jit=f_jit, sub=sub, inp=inp: f_jit(sub.variables, inp),
-                         lambda: s.full(s.variables, s.x), cfg.rounds, cfg.round_s)
+        jitted = compare(
+            lambda f_jit=f_jit, sub=sub, inp=inp: f_jit(sub.variables, inp),
+            lambda: s.full(s.variables, s.x),
+            cfg.rounds,
+            cfg.round_s,
+        )
         iterations, what = _iterations_note(sub, s)
         limit = runs / n + 0.05
         note = f"({what}; jit(sub.apply) / full {jitted['ratio']:.3f})"
         rows.append(
-            row(label, res, f"<= {limit:.3f}", res["ratio"] <= limit, note,
-                iterations=[iterations, s.full_iterations], jitted_apply=jitted)
+            row(
+                label,
+                res,
+                f"<= {limit:.3f}",
+                res["ratio"] <= limit,
+                note,
+                iterations=[iterations, s.full_iterations],
+                jitted_apply=jitted,
+            )
         )
     return rows
 
@@ -204,47 +225,69 @@ def intermediates_row(s: Subjects, cfg: Config) -> dict[str, Any]:
         f"/ jitted scanned forward {vs_fwd['ratio']:.3f})"
     )
     label = (
-        f"11. js.intermediates(layers[:]) / unrolled twin's capture_intermediates "
-        f"(blocks; {s.depth}-block)"
+        "11. js.intermediates(layers[:]) / capture_intermediates of the unrolled twin's "
+        f"blocks ({s.depth}-block scan)"
     )
-    return row(label, res, "<= 1.1", res["ratio"] <= 1.1, note,
-               versus_capture_all=vs_all, versus_scanned_forward=vs_fwd)
+    return row(
+        label,
+        res,
+        "<= 1.1",
+        res["ratio"] <= 1.1,
+        note,
+        versus_capture_all=vs_all,
+        versus_scanned_forward=vs_fwd,
+    )
+
+
+def _rows_twin(s: Subjects, lo: int, hi: int) -> Callable[..., Any]:
+    """Hand-written twin of a slice running blocks lo..hi-1: a scan of that length over the
+    stacked parameters' rows lo:hi, cut inside the program (as a slice gets them whole)."""
+    twin = Scanned(hi - lo)
+    return lambda v, a: twin.apply(jax.tree.map(lambda p: p[lo:hi], v), a)
 
 
 def compile_rows(s: Subjects, cfg: Config) -> list[dict[str, Any]]:
     """Row 12: XLA compile time of a slice's program / the full scanned model's.
 
     Only ``Lowered.compile()`` is timed: each repetition first lowers (untimed, `Op.setup`)
-    a new ``jax.jit`` of a new lambda, so that the compile is never served from JAX's
-    in-memory caches (a jitted function keeps its executable), and the subject's lowering
-    does not benefit from the reference's or the other way round. Tracing a slice is its
-    build (rows 3 and 4), and lowering both sides is a small, similar cost; the compile is
-    what grows with the program, and what a smaller program should save.
+    a new ``jax.jit`` of a new function, so that the compile is never served from JAX's
+    in-memory caches (a jitted function keeps its executable), and neither side reuses the
+    other's work. Tracing a slice is its build (rows 3 and 4) and lowering is a small cost
+    on both sides; the compile is what depends on the program. Beside it: the slice against
+    a hand-written twin (`_rows_twin`), and both programs' HLO instruction counts (exact).
     """
-    e, st = cfg.scan_end, cfg.scan_start
+    e, st, n = cfg.scan_end, cfg.scan_start, s.depth
     v, x = s.variables, s.x
-    tail_input = s.block_outs[st - 1]
     cases = (
-        (f"end=layers[{e}]", js.slice(s.model, v, x, end=f"layers[{e}]"), x),
-        (f"start=layers[{st}]", js.slice(s.model, v, x, start=f"layers[{st}]", end=None), tail_input),
+        (f"end=layers[{e}]", s.head, x, _rows_twin(s, 0, e + 1)),
+        (f"start=layers[{st}]", s.tail, s.tail_input, _rows_twin(s, st, n)),
     )
-
-    def lower_full() -> Any:
-        return jax.jit(lambda v_, a: s.model.apply(v_, a)).lower(v, x)
-
-    rows = []
+    full_fn = lambda v_, a: s.model.apply(v_, a)  # noqa: E731
+    full_hlo = compiled_cost(jax.jit(full_fn), v, x).get("hlo_instructions")
     cache = jax.config.jax_compilation_cache_dir
     warning = f"; persistent compilation cache {cache}: times may be cache reads" if cache else ""
-    for spec, sub, inp in cases:
 
-        def lower_sub(sub: Any = sub, inp: Any = inp) -> Any:
-            return jax.jit(lambda v_, a: sub.apply(v_, a)).lower(sub.variables, inp)
+    def compile_of(fn: Callable[..., Any], inp: Any) -> Op:
+        # lowered untimed, by a new jit of a new function each time: its own trace and compile
+        return Op(
+            lambda lowered: lowered.compile(),
+            lambda: jax.jit(lambda v_, a: fn(v_, a)).lower(v, inp),
+        )
 
-        compile_ = lambda lowered: lowered.compile()  # noqa: E731
-        res = paired(Op(compile_, lower_sub), Op(compile_, lower_full), cfg.reps, count_calls=False)
-        label = f"12. XLA compile: slice({spec}) / full model ({s.depth}-block scan)"
-        note = f"(compile only; best {res['best_ratio']:.3f}{warning})"
-        rows.append(row(label, res, "<= 1.0", meets(res["ratio"], "<= 1.0"), note))
+    rows = []
+    for spec, sub, inp, twin in cases:
+        sub_fn = lambda v_, a, sub=sub: sub.apply(v_, a)  # noqa: E731
+        res = paired(compile_of(sub_fn, inp), compile_of(full_fn, x), cfg.reps, count_calls=False)
+        hlo = [compiled_cost(jax.jit(f), v, inp).get("hlo_instructions") for f in (sub_fn, twin)]
+        label = f"12. XLA compile: slice({spec}) / full model ({n}-block scan)"
+        parts = ["compile only", f"HLO instructions slice/twin/full {hlo[0]}/{hlo[1]}/{full_hlo}"]
+        extra: dict[str, Any] = {"hlo_instructions": [*hlo, full_hlo]}
+        if not cfg.quick:  # --quick keeps the exact counts, skips this timing
+            vs_twin = paired(compile_of(sub_fn, inp), compile_of(twin, inp), cfg.reps, False)
+            parts.insert(1, f"/ hand-written twin {vs_twin['ratio']:.3f}")
+            extra["versus_twin"] = vs_twin
+        note = f"({'; '.join(parts)}{warning})"
+        rows.append(row(label, res, "<= 1.0", meets(res["ratio"], "<= 1.0"), note, **extra))
     return rows
 
 

@@ -228,7 +228,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (20 if args.quick else 300)
-    ft_steps = args.finetune_steps if args.finetune_steps is not None else (20 if args.quick else 150)
+    ft_steps = (
+        args.finetune_steps if args.finetune_steps is not None else (20 if args.quick else 150)
+    )
     t0 = time.perf_counter()
     rng = np.random.default_rng(args.seed)
     cfg = Config()
@@ -255,7 +257,9 @@ def main(argv=None) -> None:
         "train linen",
     )
     model_loss = float(next_byte_loss(model.apply(variables, x_eval), y_eval))
-    print(f"linen model: {steps} steps, train loss {first:.3f} -> {last:.3f}, held-out {model_loss:.3f}")
+    print(
+        f"linen model: {steps} steps, train loss {first:.3f} -> {last:.3f}, held-out {model_loss:.3f}"
+    )
     print(js.boundaries(model, variables, x_eval))
 
     # 2. Logit lens: every layer's residual stream from one call, read out with the head.
@@ -269,11 +273,19 @@ def main(argv=None) -> None:
 
     # 3. Activation patching: cut after layer k, patch A's last position into B's run.
     #    A and B differ in one quote character, 16 bytes before the end.
-    suffix_a, suffix_b = '        raise ValueError("invalid option', "        raise ValueError('invalid option"
+    suffix_a, suffix_b = (
+        '        raise ValueError("invalid option',
+        "        raise ValueError('invalid option",
+    )
     end = split + int(np.flatnonzero(held_out[T:] == ord("\n"))[0]) + T + 1
     prefix = data[end - (T - len(suffix_a)) : end]
     prompts = jnp.asarray(
-        np.stack([np.concatenate([prefix, np.frombuffer(s.encode(), np.uint8)]) for s in (suffix_a, suffix_b)])
+        np.stack(
+            [
+                np.concatenate([prefix, np.frombuffer(s.encode(), np.uint8)])
+                for s in (suffix_a, suffix_b)
+            ]
+        )
     )
     full = model.apply(variables, prompts)
     logits_a, logits_b = full[0, -1], full[1, -1]
@@ -285,10 +297,11 @@ def main(argv=None) -> None:
         np.testing.assert_allclose(after((h, extra)), full, atol=1e-4)  # no patch: the model
         patched = h.at[1, -1].set(h[0, -1])  # B's run with A's residual at the last position
         out = after((patched[1:], extra))[0, -1]
+        if k == L - 1:  # after the last layer, only the head is left: A's logits exactly
+            np.testing.assert_allclose(out, logits_a, atol=1e-4)
         recovered.append(
             1 - float(jnp.linalg.norm(out - logits_a) / jnp.linalg.norm(logits_b - logits_a))
         )
-    np.testing.assert_allclose(recovered[-1], 1.0, atol=1e-5)  # after the last layer: all of A
     print("\nlogit lens (held-out loss of the head on each layer's output) and patching")
     print("(share of A's last-position logits recovered by patching A into B after the layer):")
     print("  after      lens loss  patched")
@@ -304,7 +317,9 @@ def main(argv=None) -> None:
     ft_split = int(0.9 * len(ft))
     n_windows = 64 if args.quick else 512
     x_ft, y_ft = random_windows(ft[:ft_split], n_windows, T, rng)
-    x_ft_eval, y_ft_eval = windows(ft[ft_split:], np.linspace(0, len(ft) - ft_split - T - 2, 32).astype(int), T)
+    x_ft_eval, y_ft_eval = windows(
+        ft[ft_split:], np.linspace(0, len(ft) - ft_split - T - 2, 32).astype(int), T
+    )
     x_both = jnp.concatenate([x_ft, x_ft_eval])
     base = js.slice(model, variables, x_both, end="layers[-3]")
     feats, _ = base(x_both)  # computed once: the first L - 2 layers never run again
@@ -331,7 +346,7 @@ def main(argv=None) -> None:
     new_layers = dict(jax.tree_util.tree_leaves_with_path(new["params"]["layers"]))
     frozen = all(np.array_equal(a[: L - 2], new_layers[p][: L - 2]) for p, a in old_layers)
     tuned = all(not np.array_equal(a[L - 2 :], new_layers[p][L - 2 :]) for p, a in old_layers)
-    embed_kept = new["params"]["embed"] is variables["params"]["embed"]
+    embed_kept = new["params"]["embed"]["embedding"] is variables["params"]["embed"]["embedding"]
     print(
         f"stacked rows of layers 0..{L - 3} unchanged: {frozen}; rows {L - 2}..{L - 1} "
         f"changed: {tuned}; embedding untouched: {embed_kept}"

@@ -363,3 +363,77 @@ def test_boundaries_in_a_cond_branch_are_refused_clearly():
 
     with pytest.raises(js.BoundaryInLoopError, match="cond"):
         js.slice(model, 0.0, X, end="branch")
+
+
+# --------------------------------------------------------------------------- transformer starts
+
+
+class TBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask, pos):
+        h = nn.Dense(D, name="attn")(x + pos)
+        h = jnp.where(mask[..., None], h, 0.0)
+        return x + nn.Dense(D, name="mlp")(jnp.tanh(h)), None
+
+
+class TinyLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        mask = tokens > 0
+        pos = jnp.arange(tokens.shape[1])[None, :, None] * 0.1
+        x = nn.Embed(10, D, name="embed")(tokens)
+        stack = nn.scan(
+            TBlock,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast),
+            length=N,
+        )
+        x, _ = stack(name="layers")(x, mask, pos)
+        return nn.Dense(10, name="head")(x)
+
+
+TOKENS = jnp.array([[1, 2, 0, 3], [4, 0, 5, 6]])
+
+
+def tiny_lm_layers(variables, tokens):
+    """Each layer's output, by hand."""
+    p = variables["params"]
+    mask, pos = tokens > 0, jnp.arange(tokens.shape[1])[None, :, None] * 0.1
+    x = p["embed"]["embedding"][tokens]
+    outs = []
+    for k in range(N):
+        row = jax.tree_util.tree_map(lambda a, k=k: a[k], p["layers"])
+        h = (x + pos) @ row["attn"]["kernel"] + row["attn"]["bias"]
+        h = jnp.where(mask[..., None], h, 0.0)
+        x = x + jnp.tanh(h) @ row["mlp"]["kernel"] + row["mlp"]["bias"]
+        outs.append(x)
+    return outs
+
+
+def test_a_block_start_takes_its_call_arguments_and_the_lifted_module_its_callers():
+    model = TinyLM()
+    variables = model.init(jax.random.key(5), TOKENS)
+    outs = tiny_lm_layers(variables, TOKENS)
+    mask, pos = TOKENS > 0, jnp.arange(4)[None, :, None] * 0.1
+    tail = js.slice(model, variables, TOKENS, start="layers[2]", end="layers[3]")
+    y, _ = tail(outs[1], mask, pos)  # the block is called as block(x, mask, pos)
+    close(y, outs[3])
+    whole = js.slice(model, variables, TOKENS, start="layers", end="layers")
+    y, none = whole(variables["params"]["embed"]["embedding"][TOKENS], mask, pos)
+    assert none is None
+    close(y, outs[-1])
+
+
+def test_the_model_inputs_as_a_second_start_recompute_positions_and_masks():
+    model = TinyLM()
+    variables = model.init(jax.random.key(6), TOKENS)
+    outs = tiny_lm_layers(variables, TOKENS)
+    sub = js.slice(model, variables, TOKENS, start=["layers[2]", None], end=None)
+    close(sub(outs[1], TOKENS), model.apply(variables, TOKENS))
+    # Only derived values missing: the error suggests the model's inputs as a start.
+    with pytest.raises(js.MissingInputError) as info:
+        js.slice(model, variables, TOKENS, start="layers[2]:output", end=None)
+    assert "start=['layers[2]:output', None]" in str(info.value)
+    fixed = js.slice(model, variables, TOKENS, start=["layers[2]:output", None], end=None)
+    close(fixed((outs[2], None), TOKENS), model.apply(variables, TOKENS))

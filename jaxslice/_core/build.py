@@ -252,6 +252,12 @@ class _Open:
         self.outs[occ.marker.leaf] = occ.vid
         self.call.stop, self.call.out_seq = occ.pos, seq
 
+    def abandoned(self) -> bool:
+        """A call that never returned and saw only some of its inputs: the leftovers of a
+        trace the model's library threw away (linen's lifted transforms trace a module
+        once for shapes), not a call of this program."""
+        return not self.outs and len(self.ins) < max(1, sum(self.record.in_is_array))
+
     def finish(self) -> Call:
         record = self.record
         self.call.in_slots = _slots(self.ins, record.in_is_array, {})
@@ -287,7 +293,7 @@ def _calls_from_markers(occurrences: list[_Occurrence]) -> list[Call]:
             state.ins[occ.marker.leaf] = occ.vid
         elif state is not None:  # an output without its input: the input was dead code
             state.add_output(occ, seq)
-    return [state.finish() for state in opened]
+    return [state.finish() for state in opened if not state.abandoned()]
 
 
 def _new_call(occ: _Occurrence, seq: int) -> Call:
@@ -357,20 +363,64 @@ def _loop_as_call(g: Graph, c: Call) -> Call:
     readers = _readers(g)
     ins, starts = zip(*(_unmoved_operand(g, readers, v, pos) for v in eqn.ins), strict=True)
     outs, stops = zip(*(_unmoved_result(g, readers, v, pos) for v in eqn.outs), strict=True)
-    out_tree = jax.tree_util.tree_structure(tuple(range(len(outs))) if len(outs) != 1 else 0)
+    ports = _caller_ports(eqn.jax_eqn, c.record)
+    if ports is not None:  # the call's own arguments and result, as the caller sees them
+        in_ids, out_ids = ports
+        trees = {
+            "in_tree": c.record.in_tree,
+            "in_slots": _slots({k: ins[j] for k, j in in_ids.items()}, c.record.in_is_array, {}),
+            "out_tree": c.record.out_tree,
+            "out_slots": _slots(
+                {k: outs[j] for k, j in out_ids.items()},
+                c.record.out_is_array,
+                c.record.out_statics,
+            ),
+        }
+    else:  # the loop's operands and results
+        trees = {
+            "in_tree": jax.tree_util.tree_structure((tuple(range(len(ins))), {})),
+            "in_slots": [Slot(v) for v in ins],
+            "out_tree": jax.tree_util.tree_structure(
+                tuple(range(len(outs))) if len(outs) != 1 else 0
+            ),
+            "out_slots": [Slot(v) for v in outs],
+        }
     return dataclasses.replace(
         c,
         name=c.record.name,
         loop=None,
         template=None,
-        in_tree=jax.tree_util.tree_structure((tuple(range(len(ins))), {})),
-        in_slots=[Slot(v) for v in ins],
-        out_tree=out_tree,
-        out_slots=[Slot(v) for v in outs],
         start=min(starts),
         stop=max(stops),
         module_type=f"{c.module_type} ({eqn.primitive})",
+        **trees,
     )
+
+
+def _caller_ports(eqn: Any, record: CallRecord) -> tuple[dict, dict] | None:
+    """For a call made once per iteration directly in a scan body: ``({input leaf: loop
+    operand}, {output leaf: loop result})``, or None where a leaf is not one of them."""
+    body = _compat.scan_parts(eqn).jaxpr
+    invars = {v: j for j, v in enumerate(body.invars)}
+    outvars: dict[Any, int] = {}
+    for j, v in enumerate(body.outvars):
+        if not _compat.is_literal(v):
+            outvars.setdefault(v, j)
+    found: dict[str, dict[int, int]] = {INPUT: {}, "output": {}}
+    for inner in body.eqns:
+        marker = _compat.marker_payload(inner)
+        if marker is None or marker.record is not record or marker.leaf == PLACEHOLDER:
+            continue
+        var = inner.invars[0]
+        where = None if _compat.is_literal(var) else (invars if marker.side == INPUT else outvars)
+        j = None if where is None else where.get(var)
+        if j is None or marker.leaf in found[marker.side]:
+            return None
+        found[marker.side][marker.leaf] = j
+    wanted = [sum(record.in_is_array), sum(record.out_is_array)]
+    if [len(found[INPUT]), len(found["output"])] != wanted:
+        return None
+    return found[INPUT], found["output"]
 
 
 def _readers(g: Graph) -> dict[int, list[int]]:

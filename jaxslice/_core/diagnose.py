@@ -172,6 +172,9 @@ def _fixes(
     provided = {s.id for v in found if v in marks for s in _port_slots(*marks[v])}
     kept = [p for p in current if not _start_values(graph, p) <= provided]
     candidates = [[p.spec for p in current] + additions, [p.spec for p in kept] + additions]
+    if current and set(found) <= graph.derived_from_inputs() | set(graph.input_ids):
+        # Only values derived from the model's inputs (positions, masks) are missing.
+        candidates.insert(0, [p.spec for p in current] + [None])
     return [c for i, c in enumerate(candidates) if c not in candidates[:i]]
 
 

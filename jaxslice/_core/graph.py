@@ -219,6 +219,24 @@ class Graph:
             self.program, self.producer, starts, self.is_free, outputs, is_landmark
         )
 
+    def derived_from_inputs(self) -> frozenset[int]:
+        """Values the model computes from its own inputs outside every module call and
+        loop (positions, masks): a slice that also starts at the model's inputs computes
+        them again instead of taking them."""
+        cached = self.__dict__.get("_derived")
+        if cached is None:
+            calls = [c for c in self.calls if c.loop is None and not c.is_scope]
+            owner = innermost(calls, len(self.eqns))
+            eqns = [
+                i
+                for i, e in enumerate(self.eqns)
+                if owner[i] is None and _compat.loop_primitive(e.jax_eqn) is None
+            ]
+            found = analysis.computable(self.program, self.input_ids, self.is_free, eqns)
+            cached = frozenset(found - set(self.input_ids))
+            self.__dict__["_derived"] = cached
+        return cached
+
     def model_input_call(self) -> Call:
         """The model's own inputs as a pseudo call (used for `start=None`)."""
         return Call(

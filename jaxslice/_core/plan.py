@@ -93,7 +93,8 @@ def _frame(graph: Graph, start: Any, end: Any, suggest: bool = True) -> Plan:
     resolver = Resolver(graph)
     starts = resolve_starts(graph, resolver, start)
     start_ports = starts or (Port(None, graph.model_input_call(), INPUT),)
-    arguments = tuple(a for p in start_ports for a in arguments_of(graph, p))
+    fixed = _recomputed(graph, start_ports)
+    arguments = tuple(a for p in start_ports for a in arguments_of(graph, p, fixed))
     works = (lambda specs: _plannable(graph, specs, end)) if suggest else (lambda specs: False)
     diagnose.check_inputs(graph, arguments, works)
     ends = resolve_ends(graph, resolver, end)
@@ -104,6 +105,15 @@ def _frame(graph: Graph, start: Any, end: Any, suggest: bool = True) -> Plan:
     if starts is not None:
         diagnose.check_connected(graph, arguments, result, starts, ends)
     return Plan(starts, ends, arguments, input_ids, output_trees, output_ids, result, (), (), ())
+
+
+def _recomputed(graph: Graph, ports: tuple[Port, ...]) -> frozenset[int]:
+    """With the model's inputs among several starts, the values of the other starts that
+    derive from those inputs outside any module (positions, masks) are computed by the
+    slice instead of taken."""
+    if len(ports) < 2 or all(p.spec is not None for p in ports):
+        return frozenset()
+    return graph.derived_from_inputs()
 
 
 def _plannable(graph: Graph, specs: list[Any], end: Any) -> bool:

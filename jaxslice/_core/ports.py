@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 import jax
@@ -81,28 +81,34 @@ def single_output_id(call: Call) -> int | None:
     return slots[0].id if len(slots) == 1 else None
 
 
-def _fed_id(graph: Graph, slot: Slot) -> int | None:
-    """The value an argument leaf feeds, or None if the trace fixes it (static or free)."""
-    if slot.id is None or graph.is_free(slot.id):
+def _fed_id(graph: Graph, slot: Slot, fixed: Container[int]) -> int | None:
+    """The value an argument leaf feeds, or None if the trace fixes it (static or free)
+    or the slice computes it (`fixed`)."""
+    if slot.id is None or graph.is_free(slot.id) or slot.id in fixed:
         return None
     return slot.id
 
 
 def _argument(
-    graph: Graph, port: Port, value: Any, keyword: str | None = None, position: int | None = None
+    graph: Graph,
+    port: Port,
+    value: Any,
+    fixed: Container[int],
+    keyword: str | None = None,
+    position: int | None = None,
 ) -> Argument:
     leaves, tree = jax.tree_util.tree_flatten(value)
-    ids = tuple(_fed_id(graph, s) for s in leaves)
+    ids = tuple(_fed_id(graph, s, fixed) for s in leaves)
     return Argument(port, keyword, position, tree, ids)
 
 
-def arguments_of(graph: Graph, port: Port) -> list[Argument]:
-    """The slice arguments a start port contributes."""
+def arguments_of(graph: Graph, port: Port, fixed: Container[int] = frozenset()) -> list[Argument]:
+    """The slice arguments a start port contributes (values in `fixed` are not taken)."""
     if port.side == OUTPUT:
-        return [_argument(graph, port, port.call.port_tree(OUTPUT))]
+        return [_argument(graph, port, port.call.port_tree(OUTPUT), fixed)]
     args, kwargs = port.call.port_tree(INPUT)
-    found = [_argument(graph, port, a, position=i) for i, a in enumerate(args)]
-    found += [_argument(graph, port, a, keyword=k) for k, a in kwargs.items()]
+    found = [_argument(graph, port, a, fixed, position=i) for i, a in enumerate(args)]
+    found += [_argument(graph, port, a, fixed, keyword=k) for k, a in kwargs.items()]
     # An input argument whose leaves are all fixed by the trace is not an argument.
     return [a for a in found if a.input_ids]
 
