@@ -18,12 +18,12 @@ Groups (``--only``), each a module here:
   builds    3. building a slice (trace + analysis) / one jax.make_jaxpr      <= 1.5
             4. building a slice that ends early (stage2) / one make_jaxpr    < 1.0
             5. analysis alone: < 0.1 s on ResNet-152, linear in equations
-  scanned  10. forward of a slice of a scanned stack (nn.scan, 24 blocks):
-                input->layers[2] / full forward                               <= 3/24 + 0.05
-                layers[20]->output / full forward                             <= 4/24 + 0.05
-           11. js.intermediates(layers[:]) / unrolled twin's capture_intermediates  <= 1.1
-           12. XLA compile of those slices / of the full scanned model         <= 1.0
   torch     9. torchvision's create_feature_extractor build (skipped without torch)
+  scanned  10. forward of slices of a scanned stack (nn.scan over 24 blocks) / full forward:
+               input->layers[2]                                            <= 3/24 + 0.05
+               layers[20]->output                                          <= 4/24 + 0.05
+           11. js.intermediates("layers[:]") / capture_intermediates, unrolled  <= 1.1
+           12. XLA compile of those two slices / of the full scanned model   <= 1.0
 
 Only the public API of jaxslice is used. The exit status is 1 when a retrace count (exact)
 misses its target or a slice computes a wrong result, and, with ``--strict``, when any
@@ -47,8 +47,8 @@ from _common import Config
 GROUPS = {
     "compiled": "compiled",
     "builds": "builds",
-    "scanned": "scanned",
     "torch": "torchvision_row",
+    "scanned": "scanned",
 }
 EXACT = ("8.",)  # rows whose check is noise-free: they fail the run even without --strict
 

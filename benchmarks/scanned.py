@@ -168,10 +168,10 @@ def _iterations_note(sub: Any, s: Subjects) -> tuple[int, str]:
 def forward_rows(s: Subjects, cfg: Config) -> list[dict[str, Any]]:
     """Row 10: a slice of the first iterations, and one of the last, vs the full forward."""
     e, st, n = cfg.scan_end, cfg.scan_start, s.depth
-    model = f"{n}-block scan"
+    model = f"scan of {n} blocks"
     cases = (
-        (f"10. forward: input->layers[{e}] / jitted full forward ({model})", s.head, s.x, e + 1),
-        (f"10. forward: layers[{st}]->output / jitted full forward ({model})", s.tail,
+        (f"10. forward: input->layers[{e}] / full forward ({model})", s.head, s.x, e + 1),
+        (f"10. forward: layers[{st}]->output / full forward ({model})", s.tail,
          s.tail_input, n - st),
     )  # fmt: skip
     rows = []
@@ -224,10 +224,7 @@ def intermediates_row(s: Subjects, cfg: Config) -> dict[str, Any]:
         f"(/ capture_intermediates=True {vs_all['ratio']:.3f}; "
         f"/ jitted scanned forward {vs_fwd['ratio']:.3f})"
     )
-    label = (
-        "11. js.intermediates(layers[:]) / capture_intermediates of the unrolled twin's "
-        f"blocks ({s.depth}-block scan)"
-    )
+    label = f"11. js.intermediates(layers[:]) / capture_intermediates, unrolled ({s.depth} blocks)"
     return row(
         label,
         res,
@@ -279,7 +276,7 @@ def compile_rows(s: Subjects, cfg: Config) -> list[dict[str, Any]]:
         sub_fn = lambda v_, a, sub=sub: sub.apply(v_, a)  # noqa: E731
         res = paired(compile_of(sub_fn, inp), compile_of(full_fn, x), cfg.reps, count_calls=False)
         hlo = [compiled_cost(jax.jit(f), v, inp).get("hlo_instructions") for f in (sub_fn, twin)]
-        label = f"12. XLA compile: slice({spec}) / full model ({n}-block scan)"
+        label = f"12. XLA compile: slice({spec}) / full model (scan of {n} blocks)"
         parts = ["compile only", f"HLO instructions slice/twin/full {hlo[0]}/{hlo[1]}/{full_hlo}"]
         extra: dict[str, Any] = {"hlo_instructions": [*hlo, full_hlo]}
         if not cfg.quick:  # --quick keeps the exact counts, skips this timing

@@ -15,6 +15,7 @@ import jax
 from . import _compat
 from ._core.emit import BoundaryEvent, Equation
 from ._core.emit import evaluate as evaluate_graph
+from ._core.loops import written_out
 from ._core.program import SliceProgram, check_leaves
 from ._errors import VariablesMismatchError
 from ._trees import path_str
@@ -102,7 +103,7 @@ class Interpreter:
         def call(variables: Any, *inputs: Any, rngs: Any = None, **kw: Any) -> Any:
             mutable = program.base.traced.split.mutable
             entry, leaves = program.lookup(inputs, kw, rngs, mutable)
-            graph = entry.traced.graph
+            graph = written_out(entry.traced.graph)
             values = variable_values(program, graph, variables)
             rng_leaves = list(jax.tree_util.tree_leaves(rngs)) if rngs is not None else []
             return self.evaluate(graph, values, rng_leaves, leaves)

@@ -26,6 +26,7 @@ found there by `CallRecord.key`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -278,20 +279,26 @@ class _Expander:
         nk = parts.num_carry
         keys: list[Any] = []
 
-        def step(c: list[Any], x: list[Any]) -> Any:
+        # The row index is carried (not scanned over), so that each stacked operand is read
+        # with one dynamic slice per iteration, as the scan itself reads its own operands.
+        first, move = (b - 1, -1) if parts.reverse else (a, 1)
+
+        def step(state: tuple[list[Any], Any], _: Any) -> Any:
+            c, i = state
+            x = [_row(v, i) for v in xs]
             local = frame.fresh() if frame is not None else None
             sub = _Ctx(False, (*ctx.path, STACKED), (local,) if local is not None else ())
             outs = self.run(parts.jaxpr, parts.consts, [*consts, *c, *x], body or _Body(), sub)
             keys[:] = list(local.store) if local is not None else []
             extra = [local.store[key] for key in keys] if local is not None else []
-            return list(outs[:nk]), (list(outs[nk:]), extra)
+            return (list(outs[:nk]), i + move), (list(outs[nk:]), extra)
 
-        xs_ab = [jax.lax.slice_in_dim(x, a, b) for x in xs]
         unroll = parts.unroll
         if isinstance(unroll, int) and not isinstance(unroll, bool):
             unroll = max(1, min(unroll, b - a))
-        carry, (ys, extra) = jax.lax.scan(
-            step, list(carry), xs_ab, length=b - a, reverse=parts.reverse, unroll=unroll
+        start = (list(carry), jax.numpy.int32(first))
+        (carry, _), (ys, extra) = jax.lax.scan(
+            step, start, None, length=b - a, reverse=parts.reverse, unroll=unroll
         )
         return list(carry), list(ys), dict(zip(keys, extra, strict=True))
 
@@ -431,6 +438,11 @@ def _pieces(
     return [(a, b, a in written and b == a + 1) for a, b in zip(ordered, ordered[1:]) if b > a]
 
 
+def _row(stacked: Any, i: Any) -> Any:
+    """Row `i` (a traced, non-negative index) of a stacked operand."""
+    return jax.lax.dynamic_index_in_dim(stacked, i, keepdims=False, allow_negative_indices=False)
+
+
 def _concat(values: list[Any]) -> Any:
     return values[0] if len(values) == 1 else jax.numpy.concatenate(values, axis=0)
 
@@ -474,6 +486,22 @@ def _specs(spec: Any) -> list[Any]:
 
 def _name_of(spec: Any) -> Any:
     return getattr(spec, "name", spec) if not isinstance(spec, str) else spec
+
+
+def written_out(graph: Graph) -> Graph:
+    """The graph with every iteration of every scan that holds boundaries written out, so
+    that each iteration's calls are ordinary calls (what an interpreter walks)."""
+    refs = []
+    for call in graph.calls:
+        if call.template is None or call.loop is None:
+            continue
+        sites = call.loop.chain()
+        if any(site.length is None for site in sites):
+            continue
+        for path in itertools.product(*(range(site.length) for site in sites)):
+            spec = f"{fill(call.template, path)}@{call.index}"
+            refs.append(LoopRef(spec, call, tuple(path), INPUT))
+    return expanded(graph, refs) if refs else graph
 
 
 def expanded(graph: Graph, refs: Sequence[LoopRef]) -> Graph:

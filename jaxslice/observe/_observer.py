@@ -183,8 +183,13 @@ def _ordered_layers(traced: Traced, layers: Any) -> list[str]:
     resolver = Resolver(traced.graph)
     order = {}
     for name in layers:
+        ref = resolver.loop_ref(name, "output")  # an iteration of a call inside a scan
+        if ref is not None:
+            iterations = tuple(-1 if k == ":" else k for k in ref.path)
+            order[name] = (ref.call.start, ref.call.in_seq, iterations)
+            continue
         call, _ = resolver.resolve(name, "output")  # unknown / ambiguous names raise here
-        order[name] = (call.start, call.in_seq)
+        order[name] = (call.start, call.in_seq, ())
     layers = sorted(dict.fromkeys(layers), key=order.__getitem__)
     if not layers:
         raise InvalidSpecError(
