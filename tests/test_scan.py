@@ -32,9 +32,7 @@ class Scanned(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(D, name="embed")(x)
-        stack = nn.scan(
-            Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=N
-        )
+        stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=N)
         x, _ = stack(name="layers")(x, None)
         return nn.Dense(3, name="head")(x)
 

@@ -364,27 +364,7 @@ def _loop_as_call(g: Graph, c: Call) -> Call:
     ins, starts = zip(*(_unmoved_operand(g, readers, v, pos) for v in eqn.ins), strict=True)
     outs, stops = zip(*(_unmoved_result(g, readers, v, pos) for v in eqn.outs), strict=True)
     ports = _caller_ports(eqn.jax_eqn, c.record)
-    if ports is not None:  # the call's own arguments and result, as the caller sees them
-        in_ids, out_ids = ports
-        trees = {
-            "in_tree": c.record.in_tree,
-            "in_slots": _slots({k: ins[j] for k, j in in_ids.items()}, c.record.in_is_array, {}),
-            "out_tree": c.record.out_tree,
-            "out_slots": _slots(
-                {k: outs[j] for k, j in out_ids.items()},
-                c.record.out_is_array,
-                c.record.out_statics,
-            ),
-        }
-    else:  # the loop's operands and results
-        trees = {
-            "in_tree": jax.tree_util.tree_structure((tuple(range(len(ins))), {})),
-            "in_slots": [Slot(v) for v in ins],
-            "out_tree": jax.tree_util.tree_structure(
-                tuple(range(len(outs))) if len(outs) != 1 else 0
-            ),
-            "out_slots": [Slot(v) for v in outs],
-        }
+    trees = _loop_trees(ins, outs) if ports is None else _call_trees(c.record, ins, outs, *ports)
     return dataclasses.replace(
         c,
         name=c.record.name,
@@ -397,30 +377,80 @@ def _loop_as_call(g: Graph, c: Call) -> Call:
     )
 
 
+def _call_trees(
+    record: CallRecord, ins: Sequence[int], outs: Sequence[int], in_at: dict, out_at: dict
+) -> dict[str, Any]:
+    """A lifted call's ports: its own arguments and result, as the caller sees them."""
+    return {
+        "in_tree": record.in_tree,
+        "in_slots": _slots({k: ins[j] for k, j in in_at.items()}, record.in_is_array, {}),
+        "out_tree": record.out_tree,
+        "out_slots": _slots(
+            {k: outs[j] for k, j in out_at.items()}, record.out_is_array, record.out_statics
+        ),
+    }
+
+
+def _loop_trees(ins: Sequence[int], outs: Sequence[int]) -> dict[str, Any]:
+    """A lifted call's ports where its own cannot be told: the loop's operands and results."""
+    out_tree = tuple(range(len(outs))) if len(outs) != 1 else 0
+    return {
+        "in_tree": jax.tree_util.tree_structure((tuple(range(len(ins))), {})),
+        "in_slots": [Slot(v) for v in ins],
+        "out_tree": jax.tree_util.tree_structure(out_tree),
+        "out_slots": [Slot(v) for v in outs],
+    }
+
+
 def _caller_ports(eqn: Any, record: CallRecord) -> tuple[dict, dict] | None:
     """For a call made once per iteration directly in a scan body: ``({input leaf: loop
     operand}, {output leaf: loop result})``, or None where a leaf is not one of them."""
-    body = _compat.scan_parts(eqn).jaxpr
-    invars = {v: j for j, v in enumerate(body.invars)}
-    outvars: dict[Any, int] = {}
-    for j, v in enumerate(body.outvars):
-        if not _compat.is_literal(v):
-            outvars.setdefault(v, j)
-    found: dict[str, dict[int, int]] = {INPUT: {}, "output": {}}
+    found = body_ports(_compat.scan_parts(eqn).jaxpr).get(id(record))
+    return None if found is None else (found[1][INPUT], found[1]["output"])
+
+
+def body_ports(body: Any) -> dict[int, tuple[CallRecord, dict[str, dict[int, int]]]]:
+    """The calls made once per iteration directly in a loop body whose array leaves are
+    the body's own parameters (inputs) and results (outputs).
+
+    Returns ``{id(record): (record, {side: {leaf: position}})}``, the position of each
+    input leaf among the body's invars and of each output leaf among its outvars.
+    """
+    places = {INPUT: _positions(body.invars), "output": _positions(body.outvars)}
+    found: dict[int, tuple[CallRecord, dict[str, dict[int, int]]]] = {}
+    refused: set[int] = set()
     for inner in body.eqns:
         marker = _compat.marker_payload(inner)
-        if marker is None or marker.record is not record or marker.leaf == PLACEHOLDER:
+        if marker is None or marker.leaf == PLACEHOLDER:
             continue
-        var = inner.invars[0]
-        where = None if _compat.is_literal(var) else (invars if marker.side == INPUT else outvars)
-        j = None if where is None else where.get(var)
-        if j is None or marker.leaf in found[marker.side]:
-            return None
-        found[marker.side][marker.leaf] = j
-    wanted = [sum(record.in_is_array), sum(record.out_is_array)]
-    if [len(found[INPUT]), len(found["output"])] != wanted:
-        return None
-    return found[INPUT], found["output"]
+        record, ports = found.setdefault(
+            id(marker.record), (marker.record, {INPUT: {}, "output": {}})
+        )
+        j = _position(inner.invars[0], places[marker.side])
+        if j is None or marker.leaf in ports[marker.side]:
+            refused.add(id(record))
+        ports[marker.side][marker.leaf] = j
+    return {k: v for k, v in found.items() if k not in refused and _complete(*v)}
+
+
+def _position(atom: Any, places: dict[Any, int]) -> int | None:
+    return None if _compat.is_literal(atom) else places.get(atom)
+
+
+def _positions(atoms: Sequence[Any]) -> dict[Any, int]:
+    """The first position of each variable among `atoms`."""
+    out: dict[Any, int] = {}
+    for j, v in enumerate(atoms):
+        if not _compat.is_literal(v):
+            out.setdefault(v, j)
+    return out
+
+
+def _complete(record: CallRecord, ports: dict[str, dict[int, int]]) -> bool:
+    """Whether every array leaf of both sides has a position."""
+    return len(ports[INPUT]) == sum(record.in_is_array) and len(ports["output"]) == sum(
+        record.out_is_array
+    )
 
 
 def _readers(g: Graph) -> dict[int, list[int]]:

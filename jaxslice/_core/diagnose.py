@@ -169,13 +169,34 @@ def _fixes(
     is part of the previous block's output)."""
     current = list(starts or ())
     additions = [_as_start(label) for label in labels]
-    provided = {s.id for v in found if v in marks for s in _port_slots(*marks[v])}
-    kept = [p for p in current if not _start_values(graph, p) <= provided]
-    candidates = [[p.spec for p in current] + additions, [p.spec for p in kept] + additions]
-    if current and set(found) <= graph.derived_from_inputs() | set(graph.input_ids):
-        # Only values derived from the model's inputs (positions, masks) are missing.
-        candidates.insert(0, [p.spec for p in current] + [None])
+    kept = _not_provided(graph, current, _provided(found, marks))
+    candidates = [_specs(current) + additions, _specs(kept) + additions]
+    if current and _derived_only(graph, found):
+        candidates.insert(0, [*_specs(current), None])
+    return _unique(candidates)
+
+
+def _provided(found: list[int], marks: dict) -> set[int]:
+    """The values the ports of the missing values would give."""
+    return {s.id for v in found if v in marks for s in _port_slots(*marks[v])}
+
+
+def _not_provided(graph: Graph, ports: list[Port], provided: set[int]) -> list[Port]:
+    return [p for p in ports if not _start_values(graph, p) <= provided]
+
+
+def _specs(ports: list[Port]) -> list[Any]:
+    return [p.spec for p in ports]
+
+
+def _unique(candidates: list[list[Any]]) -> list[list[Any]]:
     return [c for i, c in enumerate(candidates) if c not in candidates[:i]]
+
+
+def _derived_only(graph: Graph, found: list[int]) -> bool:
+    """Whether the missing values are all the model's inputs or derived from them outside
+    any module (positions, masks): the model's inputs as one more start then suffice."""
+    return set(found) <= graph.derived_from_inputs() | set(graph.input_ids)
 
 
 def _port_slots(call: Call, side: str) -> list[Any]:

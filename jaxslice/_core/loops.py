@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import _compat
 from .._errors import SliceError
-from .build import build
+from .build import body_ports, build
 from .graph import Graph
 from .markers import INPUT, OUTPUT, PLACEHOLDER, CallRecord, Marker
 from .names import STACKED, LoopRef, Resolver, fill, parse
@@ -150,16 +150,22 @@ class _Expander:
 
     def eqn(self, eqn: Any, ins: list[Any], body: _Body, ctx: _Ctx) -> list[Any]:
         marker = _compat.marker_payload(eqn)
-        if marker is not None:
-            if ctx.path:
-                self.emit(marker.record, ctx.path, marker.side, marker.leaf, ins[0], ctx)
-                return [ins[0]]
-            return _compat.bind_eqn(eqn, ins)
+        if marker is not None and ctx.path:
+            self.emit(marker.record, ctx.path, marker.side, marker.leaf, ins[0], ctx)
+            return [ins[0]]
         loop = body.loops.get(id(eqn))
         if loop is not None:
             return self.loop(eqn, ins, loop, ctx)
-        if not self.has_markers(eqn) or (not ctx.path and not self._holds(eqn, body)):
-            return _compat.bind_eqn(eqn, ins)
+        if marker is None and self._looks_inside(eqn, body, ctx):
+            return self._inside(eqn, ins, body, ctx)
+        return _compat.bind_eqn(eqn, ins)
+
+    def _looks_inside(self, eqn: Any, body: _Body, ctx: _Ctx) -> bool:
+        """Inside a loop written out, every equation with markers; at the top level, those
+        holding a loop to split."""
+        return self.has_markers(eqn) and (bool(ctx.path) or self._holds(eqn, body))
+
+    def _inside(self, eqn: Any, ins: list[Any], body: _Body, ctx: _Ctx) -> list[Any]:
         inner = _compat.call_body(eqn)
         if inner is not None:  # jit, remat, ...: its markers belong to this iteration
             return self.run(inner[0], inner[1], ins, body, ctx)
@@ -217,90 +223,74 @@ class _Expander:
     # ------------------------------------------------------------------ loops
 
     def loop(self, eqn: Any, ins: list[Any], req: _Loop, ctx: _Ctx) -> list[Any]:
-        parts = _compat.scan_parts(eqn)
-        nc, nk = parts.num_consts, parts.num_carry
-        consts, carry, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
-        frame = None
-        if req.stacked is not None:
-            frame = _Frame(len(ctx.path) + 1, _relative_targets(req.stacked))
-        edges = self.edges(eqn, parts, req, ctx)
-        pieces = _pieces(parts.length, req.splits, edges, parts.reverse)
-        done: dict[int, tuple[list[Any], dict[Any, Any]]] = {}
-        for a, b, written in pieces if not parts.reverse else reversed(pieces):
-            first, last = (b - 1, a) if parts.reverse else (a, b - 1)
-            self._edge(edges.get(first), INPUT, first, consts, carry, ctx)
-            if written:
-                body = _merged(req.splits.get(a), req.stacked)
-                carry, ys, store = self.iteration(parts, consts, carry, xs, a, body, ctx, frame)
-            else:
-                carry, ys, store = self.piece(parts, consts, carry, xs, (a, b), req.stacked, ctx, frame)
-            self._edge(edges.get(last), OUTPUT, last, consts, carry, ctx)
-            done[a] = (ys, store)
+        run = _Run.of(eqn, ins, req, ctx)
+        edges = self.edges(run.parts, req, ctx)
+        pieces = _pieces(run.parts.length, req.splits, edges, run.parts.reverse)
+        done = {}
+        for piece in reversed(pieces) if run.parts.reverse else pieces:
+            done[piece[0]] = self._piece(run, piece, req, edges, ctx)
         rows = [done[a] for a, _, _ in pieces]
-        if frame is not None:
-            self._emit_stacked(frame, [store for _, store in rows], ctx)
-        ys = [_concat([r[0][i] for r in rows]) for i in range(len(parts.jaxpr.outvars) - nk)]
-        return [*carry, *ys]
+        if run.frame is not None:
+            self._emit_stacked(run.frame, [store for _, store in rows], ctx)
+        num_ys = len(run.parts.jaxpr.outvars) - run.parts.num_carry
+        return [*run.carry, *(_concat([r[0][i] for r in rows]) for i in range(num_ys))]
+
+    def _piece(
+        self, run: _Run, piece: tuple[int, int, bool], req: _Loop, edges: dict, ctx: _Ctx
+    ) -> tuple[list[Any], dict[Any, Any]]:
+        """Runs one piece (updating the carry); returns its stacked results and values."""
+        a, b, written = piece
+        first, last = (b - 1, a) if run.parts.reverse else (a, b - 1)
+        self._edge(edges.get(first), INPUT, run, ctx)
+        if written:
+            ys, store = self.iteration(run, a, _merged(req.splits.get(a), req.stacked), ctx)
+        else:
+            ys, store = self.scan_rows(run, (a, b), req.stacked, ctx)
+        self._edge(edges.get(last), OUTPUT, run, ctx)
+        return ys, store
 
     def iteration(
-        self,
-        parts: Any,
-        consts: list[Any],
-        carry: list[Any],
-        xs: list[Any],
-        k: int,
-        body: _Body,
-        ctx: _Ctx,
-        frame: _Frame | None,
-    ) -> tuple[list[Any], list[Any], dict[Any, Any]]:
+        self, run: _Run, k: int, body: _Body, ctx: _Ctx
+    ) -> tuple[list[Any], dict[Any, Any]]:
         """Iteration `k` written out in the current trace."""
-        x_k = [jax.lax.index_in_dim(x, k, keepdims=False) for x in xs]
-        local = frame.fresh() if frame is not None else None
+        x_k = [jax.lax.index_in_dim(x, k, keepdims=False) for x in run.xs]
+        local = run.frame.fresh() if run.frame is not None else None
         frames = ctx.frames + ((local,) if local is not None else ())
         sub = _Ctx(ctx.rebind, (*ctx.path, k), frames)
-        outs = self.run(parts.jaxpr, parts.consts, [*consts, *carry, *x_k], body, sub)
-        nk = parts.num_carry
+        parts = run.parts
+        outs = self.run(parts.jaxpr, parts.consts, [*run.consts, *run.carry, *x_k], body, sub)
+        run.carry = outs[: parts.num_carry]
         store = {key: v[None] for key, v in local.store.items()} if local is not None else {}
-        return outs[:nk], [y[None] for y in outs[nk:]], store
+        return [y[None] for y in outs[parts.num_carry :]], store
 
-    def piece(
-        self,
-        parts: Any,
-        consts: list[Any],
-        carry: list[Any],
-        xs: list[Any],
-        rows: tuple[int, int],
-        body: _Body | None,
-        ctx: _Ctx,
-        frame: _Frame | None,
-    ) -> tuple[list[Any], list[Any], dict[Any, Any]]:
-        """Iterations ``a:b`` as one scan over those rows; stacked names as extra results."""
+    def scan_rows(
+        self, run: _Run, rows: tuple[int, int], body: _Body | None, ctx: _Ctx
+    ) -> tuple[list[Any], dict[Any, Any]]:
+        """Iterations ``a:b`` as one scan; stacked names as extra results."""
         a, b = rows
+        parts, frame = run.parts, run.frame
         nk = parts.num_carry
         keys: list[Any] = []
-
         # The row index is carried (not scanned over), so that each stacked operand is read
         # with one dynamic slice per iteration, as the scan itself reads its own operands.
         first, move = (b - 1, -1) if parts.reverse else (a, 1)
 
         def step(state: tuple[list[Any], Any], _: Any) -> Any:
             c, i = state
-            x = [_row(v, i) for v in xs]
+            x = [_row(v, i) for v in run.xs]
             local = frame.fresh() if frame is not None else None
             sub = _Ctx(False, (*ctx.path, STACKED), (local,) if local is not None else ())
-            outs = self.run(parts.jaxpr, parts.consts, [*consts, *c, *x], body or _Body(), sub)
+            outs = self.run(parts.jaxpr, parts.consts, [*run.consts, *c, *x], body or _Body(), sub)
             keys[:] = list(local.store) if local is not None else []
-            extra = [local.store[key] for key in keys] if local is not None else []
+            extra = [local.store[key] for key in keys]
             return (list(outs[:nk]), i + move), (list(outs[nk:]), extra)
 
-        unroll = parts.unroll
-        if isinstance(unroll, int) and not isinstance(unroll, bool):
-            unroll = max(1, min(unroll, b - a))
-        start = (list(carry), jax.numpy.int32(first))
+        start = (list(run.carry), jax.numpy.int32(first))
         (carry, _), (ys, extra) = jax.lax.scan(
-            step, start, None, length=b - a, reverse=parts.reverse, unroll=unroll
+            step, start, None, length=b - a, reverse=parts.reverse, unroll=_unroll(parts, b - a)
         )
-        return list(carry), list(ys), dict(zip(keys, extra, strict=True))
+        run.carry = list(carry)
+        return list(ys), dict(zip(keys, extra, strict=True))
 
     def _emit_stacked(self, frame: _Frame, stores: list[dict[Any, Any]], ctx: _Ctx) -> None:
         """Each stacked name's values of all pieces, in row order, as one call."""
@@ -314,7 +304,7 @@ class _Expander:
 
     # ------------------------------------------------------------------ carry boundaries
 
-    def edges(self, eqn: Any, parts: Any, req: _Loop, ctx: _Ctx) -> dict[int, Any]:
+    def edges(self, parts: Any, req: _Loop, ctx: _Ctx) -> dict[int, Any]:
         """Iterations named only as a whole call whose ports are the carry: ``{k: edge}``."""
         if not ctx.rebind:
             return {}
@@ -336,20 +326,47 @@ class _Expander:
             self._edges[key] = _carry_ports(parts)
         return self._edges[key]
 
-    def _edge(
-        self, edge: Any, side: str, k: int, consts: list[Any], carry: list[Any], ctx: _Ctx
-    ) -> None:
+    def _edge(self, edge: _Edge | None, side: str, run: _Run, ctx: _Ctx) -> None:
+        """Marks one side of an iteration named as a whole call on the loop's carry."""
         if edge is None or side not in edge.sides:
             return
         record = edge.record
         if side == OUTPUT and INPUT not in edge.sides:
             _placeholder(record, INPUT)
-        sources = {"const": consts, "carry": carry}
+        sources = {"const": run.consts, "carry": run.carry}
         leaves = edge.ports[side]
         for leaf, (kind, i) in leaves:
             _compat.bind_marker(sources[kind][i], Marker(record, side, leaf), side)
         if not leaves:
             _placeholder(record, side)
+
+
+@dataclasses.dataclass
+class _Run:
+    """A loop equation being run piece by piece: its operands and its carry so far."""
+
+    parts: Any
+    consts: list[Any]
+    carry: list[Any]
+    xs: list[Any]
+    frame: _Frame | None  # collects stacked names' values, if any
+
+    @classmethod
+    def of(cls, eqn: Any, ins: list[Any], req: _Loop, ctx: _Ctx) -> _Run:
+        parts = _compat.scan_parts(eqn)
+        nc, nk = parts.num_consts, parts.num_carry
+        frame = None
+        if req.stacked is not None:
+            frame = _Frame(len(ctx.path) + 1, _relative_targets(req.stacked))
+        return cls(parts, ins[:nc], ins[nc : nc + nk], ins[nc + nk :], frame)
+
+
+def _unroll(parts: Any, length: int) -> Any:
+    """The scan's `unroll`, at most the number of iterations a piece runs."""
+    unroll = parts.unroll
+    if isinstance(unroll, int) and not isinstance(unroll, bool):
+        return max(1, min(unroll, length))
+    return unroll
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,41 +397,29 @@ def _carry_ports(parts: Any) -> dict[int, Any]:
 
     Returns ``{id(record): (record, {side: [(leaf, (kind, index))]})}``.
     """
-    nc, nk = parts.num_consts, parts.num_carry
-    invars = {v: i for i, v in enumerate(parts.jaxpr.invars)}
-    outvars: dict[Any, int] = {}
-    for i, v in enumerate(parts.jaxpr.outvars[:nk]):
-        if not _compat.is_literal(v):
-            outvars.setdefault(v, i)
-    found: dict[int, Any] = {}
-    refused: set[int] = set()
-    for eqn in parts.jaxpr.eqns:
-        marker = _compat.marker_payload(eqn)
-        if marker is None or marker.leaf == PLACEHOLDER:
-            continue
-        rid = id(marker.record)
-        source = _port_source(eqn.invars[0], marker.side, invars, outvars, nc, nk)
-        record, ports = found.setdefault(rid, (marker.record, {INPUT: [], OUTPUT: []}))
-        if source is None or any(leaf == marker.leaf for leaf, _ in ports[marker.side]):
-            refused.add(rid)
-        ports[marker.side].append((marker.leaf, source))
-    for rid in refused:
-        found.pop(rid, None)
+    found = {}
+    for rid, (record, ports) in body_ports(parts.jaxpr).items():
+        sides = {side: _carry_sources(side, leaves, parts) for side, leaves in ports.items()}
+        if all(sources is not None for sources in sides.values()):
+            found[rid] = (record, sides)
     return found
 
 
-def _port_source(
-    var: Any, side: str, invars: dict[Any, int], outvars: dict[Any, int], nc: int, nk: int
-) -> tuple[str, int] | None:
-    if _compat.is_literal(var):
-        return None
-    if side == INPUT:
-        i = invars.get(var)
-        if i is None or i >= nc + nk:
+def _carry_sources(side: str, leaves: dict[int, int], parts: Any) -> list[Any] | None:
+    """``[(leaf, (kind, index))]`` for leaves that are constants or carry, else None."""
+    nc, nk = parts.num_consts, parts.num_carry
+    out = []
+    for leaf, j in leaves.items():
+        if side == OUTPUT:
+            source = ("carry", j) if j < nk else None
+        elif j < nc:
+            source = ("const", j)
+        else:
+            source = ("carry", j - nc) if j < nc + nk else None
+        if source is None:
             return None
-        return ("const", i) if i < nc else ("carry", i - nc)
-    j = outvars.get(var)
-    return None if j is None else ("carry", j)
+        out.append((leaf, source))
+    return out
 
 
 def _pieces(
@@ -422,20 +427,20 @@ def _pieces(
 ) -> list[tuple[int, int, bool]]:
     """Row ranges ``(a, b, written_out)`` covering ``0:length`` in ascending order."""
     cuts = {0, length}
-    written = set()
-    for k in splits:
-        edge = edges.get(k)
-        if edge is None:
-            cuts |= {k, k + 1}
-            written.add(k)
-            continue
-        starts_at = k + 1 if reverse else k  # where the iteration's input is, in rows
-        if INPUT in edge.sides:
-            cuts.add(starts_at)
-        if OUTPUT in edge.sides:
-            cuts.add(k if reverse else k + 1)
+    written = {k for k in splits if k not in edges}
+    for k in written:
+        cuts |= {k, k + 1}
+    for k, edge in edges.items():
+        cuts |= _edge_cuts(k, edge.sides, reverse)
     ordered = sorted(cuts)
-    return [(a, b, a in written and b == a + 1) for a, b in zip(ordered, ordered[1:]) if b > a]
+    pairs = zip(ordered[:-1], ordered[1:], strict=True)
+    return [(a, b, a in written and b == a + 1) for a, b in pairs]
+
+
+def _edge_cuts(k: int, sides: frozenset[str], reverse: bool) -> set[int]:
+    """Where pieces must end for iteration `k`'s input (before it) and output (after it)."""
+    before, after = (k + 1, k) if reverse else (k, k + 1)
+    return {cut for side, cut in ((INPUT, before), (OUTPUT, after)) if side in sides}
 
 
 def _row(stacked: Any, i: Any) -> Any:
@@ -529,12 +534,17 @@ def expand(graph: Graph, refs: Sequence[LoopRef]) -> Graph:
     expanded, _ = _compat.make_jaxpr(program, *avals)
     new = build(expanded, signature, name_scopes=name_scopes)
     new.partial = graph.partial
-    by_key = {c.record.key: c for c in new.calls if c.record is not None and c.record.key}
+    new.aliases = _aliases(new, refs)
+    return new
+
+
+def _aliases(graph: Graph, refs: Sequence[LoopRef]) -> dict[tuple[str, int | None], Any]:
+    """Each name of `refs` (without its port) -> its call in the expanded `graph`."""
+    by_key = {c.record.key: c for c in graph.calls if c.record is not None and c.record.key}
     lost = [ref.spec for ref in refs if ref.key not in by_key]
     if lost:
         raise SliceError(LOST.format(names=lost))
-    new.aliases = {parse(ref.spec)[:2]: by_key[ref.key] for ref in refs}
-    return new
+    return {parse(ref.spec)[:2]: by_key[ref.key] for ref in refs}
 
 
 LOST = (

@@ -118,6 +118,19 @@ def marked_calls(model: Any) -> Iterator[None]:
         for cls in classes:
             _acquire(cls)
     token = _PATHS.set(paths)
+    try:
+        with _tagged(modules, paths):
+            yield
+    finally:
+        _PATHS.reset(token)
+        with _PATCH_LOCK:
+            for cls in classes:
+                _release(cls)
+
+
+@contextlib.contextmanager
+def _tagged(modules: list[Any], paths: dict[int, tuple[str, ...]]) -> Iterator[None]:
+    """Each module carries its path (`_PATH_ATTRIBUTE`) inside the block."""
     tagged = [node for node in modules if paths.get(id(node))]
     for node in tagged:
         object.__setattr__(node, _PATH_ATTRIBUTE, paths[id(node)])
@@ -126,10 +139,6 @@ def marked_calls(model: Any) -> Iterator[None]:
     finally:
         for node in tagged:
             node.__dict__.pop(_PATH_ATTRIBUTE, None)
-        _PATHS.reset(token)
-        with _PATCH_LOCK:
-            for cls in classes:
-                _release(cls)
 
 
 EDIT_REFUSAL = (

@@ -44,17 +44,22 @@ def _held(root: Any, program: Any) -> tuple[list[tuple[Any, ...]], list[tuple[An
     """The module paths (and loose variable paths) a slice must hold."""
     plan = program.base.plan
     modules = [tuple(p) for p, node in nnx.iter_graph(root) if isinstance(node, nnx.Module)]
-    by_str = {tuple(str(p) for p in path): path for path in modules}
+    by_str = {_order(path): path for path in modules}
     wanted = {by_str[path] for path in _running_modules(program) if path in by_str}
     owned = [p for p in modules if p]
     loose = []
     for path in set(plan.variable_paths) | set(plan.state_paths):
-        owner = max((m for m in owned if path[: len(m)] == m), key=len, default=None)
+        owner = _owner(path, owned)
         if owner is None:
             loose.append(path)
         else:
             wanted.add(owner)
     return _outermost(wanted), sorted(loose, key=_order)
+
+
+def _owner(path: tuple[Any, ...], modules: list[tuple[Any, ...]]) -> tuple[Any, ...] | None:
+    """The innermost of `modules` whose path prefixes `path`."""
+    return max((m for m in modules if path[: len(m)] == m), key=len, default=None)
 
 
 def _order(path: tuple[Any, ...]) -> tuple[str, ...]:
@@ -78,10 +83,15 @@ def _running_modules(program: Any) -> set[tuple[str, ...]]:
     calls = [c for c in graph.calls if c.loop is None]
     owner = innermost(calls, len(graph.eqns))
     found = {owner[i].path for i in plan.cut.eqns if owner[i] is not None}
-    made = {v for i in plan.cut.eqns for v in graph.eqns[i].outs} | set(plan.input_ids)
-    read = {v for i in plan.cut.eqns for v in graph.eqns[i].ins} | set(plan.output_ids)
+    made = _values(graph, plan.cut.eqns, "outs") | set(plan.input_ids)
+    read = _values(graph, plan.cut.eqns, "ins") | set(plan.output_ids)
     empty = [c for c in calls if c.start == c.stop]
     return found | {c.path for c in empty if _ids(c.in_slots) & made and _ids(c.out_slots) & read}
+
+
+def _values(graph: Any, eqns: Any, side: str) -> set[int]:
+    """The values equations `eqns` read (``"ins"``) or write (``"outs"``)."""
+    return {v for i in eqns for v in getattr(graph.eqns[i], side)}
 
 
 def _ids(slots: Any) -> set[int]:
