@@ -140,6 +140,7 @@ class NNXCharLM(nnx.Module):
 
         self.layers = make_layers(rngs)  # one NNXBlock whose parameters are stacked
         self.head = NNXHead(cfg.d_model, rngs=rngs)
+        self.n_layers = cfg.n_layers
 
     def embed_tokens(self, tokens):
         return self.embed(tokens) + self.pos[...][: tokens.shape[1]]
@@ -152,10 +153,25 @@ class NNXCharLM(nnx.Module):
         return self.head(run_layers(self.layers, self.embed_tokens(tokens)))
 
 
-def nnx_layer(model: NNXCharLM, k: int) -> NNXBlock:
-    """Row k of the stacked layers as an ordinary block (for checking by hand)."""
+@nnx.jit
+def nnx_predict(model: NNXCharLM, tokens):
+    return model(tokens)
+
+
+@nnx.jit
+def nnx_layers_by_hand(model: NNXCharLM, tokens):
+    """Every layer's output, running row k of the stacked parameters as an ordinary block."""
     graphdef, state = nnx.split(model.layers)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: a[k], state))
+    x, outs = model.embed_tokens(tokens), []
+    for k in range(model.n_layers):
+        x = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k], state))(x)
+        outs.append(x)
+    return jnp.stack(outs)
+
+
+@nnx.jit
+def nnx_head(model: NNXCharLM, x):
+    return model.head(x)
 
 
 # --------------------------------------------------------------------------- data, training
@@ -177,6 +193,7 @@ def random_windows(data, n: int, t: int, rng: np.random.Generator):
     return windows(data, rng.integers(0, len(data) - t - 1, n), t)
 
 
+@jax.jit
 def next_byte_loss(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
@@ -205,6 +222,10 @@ def fit(apply_fn, variables, batches, steps: int, lr: float, desc: str):
         losses.append(float(loss))
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     return variables, float(np.mean(losses[:5])), float(np.mean(losses[-5:]))
+
+
+# One loss per layer, for logits stacked on a leading layer axis (the logit lens).
+per_layer_loss = jax.jit(jax.vmap(next_byte_loss, in_axes=(0, None)))
 
 
 @nnx.jit
@@ -247,7 +268,8 @@ def main(argv=None) -> None:
 
     # 1. Train the linen model: the blocks are one nn.scan, their parameters stacked.
     model = CharLM(cfg)
-    variables = model.init(jax.random.key(args.seed), x_eval[:1])
+    predict = jax.jit(model.apply)
+    variables = jax.jit(model.init)(jax.random.key(args.seed), x_eval[:1])
     variables, first, last = fit(
         model.apply,
         variables,
@@ -256,7 +278,7 @@ def main(argv=None) -> None:
         3e-3,
         "train linen",
     )
-    model_loss = float(next_byte_loss(model.apply(variables, x_eval), y_eval))
+    model_loss = float(next_byte_loss(predict(variables, x_eval), y_eval))
     print(
         f"linen model: {steps} steps, train loss {first:.3f} -> {last:.3f}, held-out {model_loss:.3f}"
     )
@@ -268,11 +290,12 @@ def main(argv=None) -> None:
     assert resid.shape == (L, *x_eval.shape, cfg.d_model), resid.shape
     head = js.slice(model, variables, x_eval, start="head")
     lens = [float(next_byte_loss(head(inter["layers[0]:input"]), y_eval))]
-    lens += [float(next_byte_loss(head(resid[k]), y_eval)) for k in range(L)]
+    lens_logits = head(resid.reshape(L * len(x_eval), T, -1)).reshape(L, *x_eval.shape, -1)
+    lens += [float(v) for v in per_layer_loss(lens_logits, y_eval)]
     np.testing.assert_allclose(lens[-1], model_loss, rtol=1e-5)
 
     # 3. Activation patching: cut after layer k, patch A's last position into B's run.
-    #    A and B differ in one quote character, 16 bytes before the end.
+    #    The prompts differ in one byte (the kind of quote that opens a string).
     suffix_a, suffix_b = (
         '        raise ValueError("invalid option',
         "        raise ValueError('invalid option",
@@ -287,7 +310,8 @@ def main(argv=None) -> None:
             ]
         )
     )
-    full = model.apply(variables, prompts)
+    (where,) = np.flatnonzero(prompts[0] != prompts[1]) - T  # position counted from the end
+    full = predict(variables, prompts)
     logits_a, logits_b = full[0, -1], full[1, -1]
     recovered = []
     for k in range(L):
@@ -302,8 +326,12 @@ def main(argv=None) -> None:
         recovered.append(
             1 - float(jnp.linalg.norm(out - logits_a) / jnp.linalg.norm(logits_b - logits_a))
         )
-    print("\nlogit lens (held-out loss of the head on each layer's output) and patching")
-    print("(share of A's last-position logits recovered by patching A into B after the layer):")
+    print("\nlogit lens: held-out loss of the head applied to each layer's output;")
+    print(
+        f"patching: prompts A and B differ at position {where} ({suffix_a.strip()!r} vs "
+        f"{suffix_b.strip()!r}); share of the\n"
+        "change from B's to A's last-position logits made by patching A's last position into B"
+    )
     print("  after      lens loss  patched")
     print(f"  embedding  {lens[0]:9.3f}        -")
     for k in range(L):
@@ -325,7 +353,12 @@ def main(argv=None) -> None:
     feats, _ = base(x_both)  # computed once: the first L - 2 layers never run again
     f_train, f_eval = feats[:n_windows], feats[n_windows:]
     tail = js.slice(model, variables, x_both, start="layers[-2]")  # input: layers[-3]'s output
-    eval_before = float(next_byte_loss(model.apply(variables, x_ft_eval), y_ft_eval))
+    kernel = tail.variables["params"]["layers"]["up"]["kernel"]
+    print(
+        f"\nslice start='layers[-2]': its variables hold the stacked parameters whole "
+        f"(layers/up/kernel {tuple(kernel.shape)}); the rows of layers 0..{L - 3} get zero gradient"
+    )
+    eval_before = float(next_byte_loss(predict(variables, x_ft_eval), y_ft_eval))
 
     def ft_batch():
         idx = rng.choice(n_windows, args.batch_size, replace=False)
@@ -333,14 +366,14 @@ def main(argv=None) -> None:
 
     trained, first, last = fit(tail.apply, tail.variables, ft_batch, ft_steps, 1e-3, "fine-tune")
     new = tail.merge(variables, trained)
-    eval_after = float(next_byte_loss(model.apply(new, x_ft_eval), y_ft_eval))
+    eval_after = float(next_byte_loss(predict(new, x_ft_eval), y_ft_eval))
     print(
-        f"\nfine-tuned layers[-2:] + head on cached layers[-3] features of {FINETUNE_MODULE}: "
+        f"fine-tuned layers[-2:] + head on cached layers[-3] features of {FINETUNE_MODULE}: "
         f"{ft_steps} steps, train loss {first:.3f} -> {last:.3f}; "
         f"held-out {FINETUNE_MODULE} loss of the full model {eval_before:.3f} -> {eval_after:.3f}"
     )
     np.testing.assert_allclose(
-        model.apply(new, x_ft_eval), tail.apply(trained, f_eval), atol=1e-4, rtol=1e-4
+        predict(new, x_ft_eval), tail.apply(trained, f_eval), atol=1e-4, rtol=1e-4
     )
     old_layers = jax.tree_util.tree_leaves_with_path(variables["params"]["layers"])
     new_layers = dict(jax.tree_util.tree_leaves_with_path(new["params"]["layers"]))
@@ -361,19 +394,20 @@ def main(argv=None) -> None:
     for _ in bar:
         loss = nnx_train_step(nnx_model, opt, *random_windows(train, args.batch_size, T, rng))
         bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
-    nnx_loss = float(next_byte_loss(nnx_model(x_eval), y_eval))
+    logits = nnx_predict(nnx_model, x_eval)
+    nnx_loss = float(next_byte_loss(logits, y_eval))
     resid = js.intermediates(nnx_model, x_eval, names=["layers[:]"])["layers[:]"]  # (L, ...)
-    nnx_lens = [float(next_byte_loss(nnx_model.head(resid[k]), y_eval)) for k in range(L)]
+    lens_logits = nnx_head(nnx_model, resid.reshape(L * len(x_eval), T, -1))
+    nnx_lens = [float(v) for v in per_layer_loss(lens_logits.reshape(L, *x_eval.shape, -1), y_eval)]
     np.testing.assert_allclose(nnx_lens[-1], nnx_loss, rtol=1e-5)
-    # Each per-layer slice against the stacked layers run by hand, row by row.
-    x = nnx_model.embed_tokens(x_eval)
+    # Each layer's slice against the stacked layers run by hand, row by row.
+    by_hand = nnx_layers_by_hand(nnx_model, x_eval)
+    np.testing.assert_allclose(resid, by_hand, atol=1e-4)
     for k in range(L):
-        x = nnx_layer(nnx_model, k)(x)
         upto = js.slice(nnx_model, x_eval, end=f"layers[{k}]")  # an nnx.Module
-        np.testing.assert_allclose(upto(x_eval), x, atol=1e-4)
-        np.testing.assert_allclose(resid[k], x, atol=1e-4)
-    rest = js.slice(nnx_model, x_eval, start="layers[-2]")
-    np.testing.assert_allclose(rest(resid[L - 3]), nnx_model(x_eval), atol=1e-4)
+        np.testing.assert_allclose(upto(x_eval), by_hand[k], atol=1e-4)
+    rest = js.slice(nnx_model, x_eval, start="layers[-2]")  # input: layers[-3]'s output
+    np.testing.assert_allclose(rest(resid[L - 3]), logits, atol=1e-4)
     print(
         f"\nNNX model: held-out loss {nnx_loss:.3f}; logit lens per layer "
         + ", ".join(f"{v:.3f}" for v in nnx_lens)

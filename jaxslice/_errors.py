@@ -61,15 +61,20 @@ class AmbiguousBoundaryError(SliceError):
 
 
 class BoundaryInLoopError(SliceError):
-    """A boundary inside a loop or conditional body was asked for.
+    """A boundary inside a loop without a static number of iterations (``while_loop``) or
+    inside a conditional branch (``cond``, ``switch``) was asked for.
 
-    Reproducer: a module called inside ``jax.lax.scan``; slice at the scan as a whole.
+    Reproducer: a module called inside ``jax.lax.while_loop``; slice at the loop as a
+    whole. (Calls inside a ``scan`` are named per iteration: ``name[k]``.)
     """
 
     TEMPLATE = (
-        "{name!r} is called inside the body of a `{primitive}`, where one value per "
-        "iteration (or branch) exists, so it cannot start or end a slice.\n"
-        "Slice at a module that contains the whole `{primitive}` instead{outer}."
+        "{name!r} is called inside the body of a `{primitive}`, which has no fixed number "
+        "of iterations (a `cond` branch may not run at all), so it names no single value "
+        "a slice could start or end at.\n"
+        "Slice at a module that contains the whole `{primitive}`{outer}, or write the loop "
+        "as a `jax.lax.scan` (or a `fori_loop` with static bounds), whose iterations are "
+        "named `name[k]`."
     )
 
 

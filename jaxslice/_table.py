@@ -134,12 +134,18 @@ def _iterations(call: Call) -> int | None:
 
 
 def _port_avals(graph: Graph, call: Call) -> tuple[tuple[jax.ShapeDtypeStruct, ...], ...]:
-    """The avals of a call's array inputs and outputs (none for a call inside a loop)."""
+    """The avals of a call's array inputs and outputs (for a call inside a loop, of one
+    iteration; its input's parameters are not told apart from its other arguments)."""
     if call.loop is not None:
-        return (), ()
+        ins, outs = call.loop_avals
+        return _sorted_avals(ins), _sorted_avals(outs)
     arguments = arguments_of(graph, Port(call.name, call, INPUT))
     in_ids = [i for a in arguments for i in a.input_ids]
     return _avals(graph, in_ids), _avals(graph, array_ids(call.out_slots))
+
+
+def _sorted_avals(avals: dict[int, Any]) -> tuple[jax.ShapeDtypeStruct, ...]:
+    return tuple(jax.ShapeDtypeStruct(avals[k].shape, avals[k].dtype) for k in sorted(avals))
 
 
 def _is_parameter(path: tuple[Any, ...], linen_style: bool) -> bool:

@@ -53,6 +53,7 @@ class _Occurrence:
     scopes: tuple[str, ...]
     loop: LoopSite | None
     template: str | None = None  # the call's name with iteration slots (in scan bodies)
+    aval: Any = None  # in a loop body, the value's shape and dtype in one iteration
 
 
 class _Builder:
@@ -159,7 +160,8 @@ class _Builder:
             body = _compat.call_body(inner)
             if marker is not None:
                 name = _call_name(marker.record, inner_scopes)
-                found.append(_Occurrence(marker, None, pos, inner_scopes, site, name))
+                aval = _compat.aval_of(inner.invars[0])
+                found.append(_Occurrence(marker, None, pos, inner_scopes, site, name, aval))
             elif not self.has_marker_eqn(inner):
                 continue
             elif body is not None:  # jit or remat inside the body: the same iterations
@@ -248,9 +250,19 @@ class _Open:
         one): no output has been seen and the leaf has not."""
         return not self.outs and leaf not in self.ins
 
+    def add_input(self, occ: _Occurrence) -> None:
+        self.ins[occ.marker.leaf] = occ.vid
+        self._note(occ, 0)
+
     def add_output(self, occ: _Occurrence, seq: int) -> None:
         self.outs[occ.marker.leaf] = occ.vid
         self.call.stop, self.call.out_seq = occ.pos, seq
+        self._note(occ, 1)
+
+    def _note(self, occ: _Occurrence, side: int) -> None:
+        """Keeps the per-iteration shape of a leaf seen in a loop body (for the table)."""
+        if occ.aval is not None and occ.marker.leaf != PLACEHOLDER:
+            self.call.loop_avals[side][occ.marker.leaf] = occ.aval
 
     def abandoned(self) -> bool:
         """A call that never returned and saw only some of its inputs: the leftovers of a
@@ -290,7 +302,7 @@ def _calls_from_markers(occurrences: list[_Occurrence]) -> list[Call]:
             if state is None or not state.takes_input(occ.marker.leaf):
                 state = current[key] = _Open(_new_call(occ, seq), occ.marker.record)
                 opened.append(state)
-            state.ins[occ.marker.leaf] = occ.vid
+            state.add_input(occ)
         elif state is not None:  # an output without its input: the input was dead code
             state.add_output(occ, seq)
     return [state.finish() for state in opened if not state.abandoned()]

@@ -105,6 +105,10 @@ class Call:
     # For a call in a scan body: its name with one iteration slot per enclosing scan
     # (see `loops.template_parts`); `name` shows each slot as ``[:]``.
     template: str | None = None
+    # For a call in a loop body: per side, ``{leaf: aval}`` of one iteration's values.
+    loop_avals: tuple[dict[int, Any], dict[int, Any]] = dataclasses.field(
+        default_factory=lambda: ({}, {})
+    )
 
     @property
     def is_module(self) -> bool:
