@@ -435,3 +435,40 @@ def test_the_model_inputs_as_a_second_start_recompute_positions_and_masks():
     assert "start=['layers[2]:output', None]" in str(info.value)
     fixed = js.slice(model, variables, TOKENS, start=["layers[2]:output", None], end=None)
     close(fixed((outs[2], None), TOKENS), model.apply(variables, TOKENS))
+
+
+# --------------------------------------------------------------------------- other views
+
+
+def test_interpreter_hooks_see_every_iteration(scanned):
+    model, variables = scanned
+    want = captured(variables)
+
+    class Record(js.Interpreter):
+        def boundary(self, name, side, value):
+            if side == "output":
+                self.emit(name, value)
+            return value
+
+    out, seen = Record().build(model, variables, X)(variables, X)
+    close(out, want["logits"])
+    for k in range(N):
+        close(seen[f"layers[{k}]/attn"], want[f"layers[{k}]/attn"])
+        close(seen[f"layers[{k}]"][0], want[f"layers[{k}]"])
+
+
+def test_statistics_and_coverage_take_per_iteration_names(scanned):
+    from jaxslice.observe import ActivationStats
+
+    model, variables = scanned
+    want = captured(variables)
+    stats = ActivationStats(model, variables, X, names=["layers[:]/attn", "layers[2]/mlp"])
+    stats.update(X)
+    got = stats.result()
+    stacked = jnp.stack([want[f"layers[{k}]/attn"] for k in range(N)])
+    np.testing.assert_allclose(got["layers[:]/attn"]["max"], float(stacked.max()), rtol=1e-5)
+    np.testing.assert_allclose(
+        got["layers[2]/mlp"]["mean"], float(want["layers[2]/mlp"].mean()), rtol=1e-4, atol=1e-6
+    )
+    tracker = js.coverage.Tracker(model, variables, X, layers=["layers[3]/attn", "embed"])
+    assert tracker.layers == ["embed", "layers[3]/attn"]  # in call order
