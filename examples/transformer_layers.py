@@ -241,16 +241,16 @@ def nnx_train_step(model, opt, x, y):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke-test mode: few steps")
-    parser.add_argument("--steps", type=int, default=None, help="default 300 (20 with --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="default 250 (20 with --quick)")
     parser.add_argument(
-        "--finetune-steps", type=int, default=None, help="default 150 (20 with --quick)"
+        "--finetune-steps", type=int, default=None, help="default 100 (20 with --quick)"
     )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    steps = args.steps if args.steps is not None else (20 if args.quick else 300)
+    steps = args.steps if args.steps is not None else (20 if args.quick else 250)
     ft_steps = (
-        args.finetune_steps if args.finetune_steps is not None else (20 if args.quick else 150)
+        args.finetune_steps if args.finetune_steps is not None else (20 if args.quick else 100)
     )
     t0 = time.perf_counter()
     rng = np.random.default_rng(args.seed)

@@ -163,12 +163,21 @@ def scan_parts(eqn: Any) -> ScanParts:
     return ScanParts(
         jaxpr,
         consts,
-        params["num_consts"],
-        params["num_carry"],
+        *_scan_layout(params),
         int(params["length"]),
         bool(params["reverse"]),
         params.get("unroll", 1),
     )
+
+
+def _scan_layout(params: dict[str, Any]) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a scan. JAX <= 0.10 has them as params; later
+    releases describe the operands as a flat tree of ``(consts, carry, xs)`` (`ft_in`)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    ft_in = params["ft_in"]
+    consts, carry, _ = getattr(ft_in, "elts", ft_in)  # a tuple of flat trees
+    return len(consts), len(carry)  # a flat tree's length is its number of leaves
 
 
 def has_effects(eqn: Any) -> bool:
