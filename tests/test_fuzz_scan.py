@@ -105,6 +105,14 @@ def listed_name(name: str) -> str:
     return _INDEX.sub("[:]", name)
 
 
+def split_port(spec: str) -> tuple[str, str]:
+    """``layers[:]/attn:input`` -> (``layers[:]/attn``, ``input``); side "" if not given."""
+    for side in ("input", "output"):
+        if spec.endswith(":" + side):
+            return spec[: -len(side) - 1], side
+    return spec, ""
+
+
 def fill(listed: str, index: list[Any]) -> str:
     it = iter(index)
     return re.sub(r"\[:\]", lambda m: f"[{next(it)}]", listed)
@@ -1033,7 +1041,7 @@ class Oracle:
 
     def concrete(self, spec: str) -> list[tuple[str, str]]:
         """(concrete call name, side) of every call a port spec names."""
-        name, _, side = spec.partition(":")
+        name, side = split_port(spec)
         listed, index = self.resolve(name)
         found = [[]]
         for i, d in zip(index, self.g.dims[listed], strict=True):
@@ -1055,7 +1063,7 @@ class Oracle:
         """What a slice ending at `spec` returns."""
         if spec is None:
             return jax.tree_util.tree_map(lambda v: values[v], self.g.out)
-        name, _, side = spec.partition(":")
+        name, side = split_port(spec)
         listed, index = self.resolve(name)
         return self._value(listed, index, side or "output", values)
 
@@ -1092,7 +1100,7 @@ class Oracle:
                 out.append(list(self.g.inputs))
                 continue
             leaves = self.leaves(it, "input")
-            if with_inputs and it.partition(":")[2] != "output":
+            if with_inputs and split_port(it)[1] != "output":
                 leaves = [v for v in leaves if v not in self.g.derived]
             out.append(leaves)
         return out
@@ -1109,7 +1117,7 @@ class Oracle:
             if it is None:
                 args += [values[v] for v in self.g.inputs]
                 continue
-            name, _, side = it.partition(":")
+            name, side = split_port(it)
             ((concrete, _),) = self.concrete(name)
             c = self.g.calls[concrete]
             if side == "output":
@@ -1194,7 +1202,7 @@ def known_bug(o: Oracle, start: Any, end: Any) -> str | None:
     """Why a pair is kept out of the random checks: a library bug reproduced by an
     ``xfail(strict=True)`` test below. None for every other pair."""
     specs = [s for s in _items(start) + _flat_ends(end) if s is not None]
-    bases = {s.partition(":")[0] for s in specs}
+    bases = {split_port(s)[0] for s in specs}
     for lifted in o.g.lifted:
         if lifted in bases and any(b.startswith(lifted + "[") for b in bases):
             return "lifted-and-iteration"  # test_known_bug_lifted_name_with_an_iteration
@@ -1332,7 +1340,7 @@ def _random_start(o: Oracle, rng: random.Random, end: Any, starts: list[Any]) ->
         return None
     first = rng.choice(pool)
     items = [first]
-    name = first.partition(":")[0]
+    name = split_port(first)[0]
     enclosing = _enclosing(o, o.concrete(name)[0][0])
     r = rng.random()
     if enclosing and r < 0.5:

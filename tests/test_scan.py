@@ -472,3 +472,41 @@ def test_statistics_and_coverage_take_per_iteration_names(scanned):
     )
     tracker = js.coverage.Tracker(model, variables, X, layers=["layers[3]/attn", "embed"])
     assert tracker.layers == ["embed", "layers[3]/attn"]  # in call order
+
+
+class AttnBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _=None):
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))  # a constant inside the body
+        return x + nn.MultiHeadDotProductAttention(2, name="attn")(x, x, mask=mask), None
+
+
+class AttnStack(nn.Module):
+    unrolled: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        if self.unrolled:
+            for k in range(3):
+                x, _ = AttnBlock(name=f"layers_{k}")(x)
+            return x
+        stack = nn.scan(
+            AttnBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+        )
+        return stack(name="layers")(x, None)[0]
+
+
+def test_attention_with_a_constant_mask_in_a_scan_body():
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 5, 4)), jnp.float32)
+    model = AttnStack()
+    variables = model.init(jax.random.key(7), x)
+    names = [b.name for b in js.boundaries(model, variables, x)]
+    assert "layers/attn" not in names  # no call outside the loop but the loop itself
+    assert "layers[:]/attn" in names
+    p = dict(variables["params"])
+    stacked = p.pop("layers")
+    for k in range(3):
+        p[f"layers_{k}"] = jax.tree_util.tree_map(lambda a, k=k: a[k], stacked)
+    _, state = AttnStack(unrolled=True).apply({"params": p}, x, capture_intermediates=True)
+    want = state["intermediates"]["layers_1"]["attn"]["__call__"][0]
+    close(js.slice(model, variables, x, end="layers[1]/attn")(x), want)
