@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from .. import _compat
+from .._caches import LRU
 from .._errors import SliceError
 from .build import body_ports, build
 from .graph import Graph
@@ -509,13 +510,21 @@ def written_out(graph: Graph) -> Graph:
     return expanded(graph, refs) if refs else graph
 
 
+#: expanded graphs kept per traced graph (one per set of names)
+MAX_EXPANSIONS = 8
+
+
 def expanded(graph: Graph, refs: Sequence[LoopRef]) -> Graph:
     """`expand`, remembered per graph and names."""
     key = tuple((ref.spec, ref.key, ref.side) for ref in refs)
-    cache = graph.__dict__.setdefault("_expanded", {})
-    if key not in cache:
-        cache[key] = expand(graph, refs)
-    return cache[key]
+    cache = graph.__dict__.get("_expanded")
+    if cache is None:
+        cache = graph.__dict__.setdefault("_expanded", LRU(MAX_EXPANSIONS))
+    found = cache.get(key)
+    if found is None:
+        found = expand(graph, refs)
+        cache.put(key, found)
+    return found
 
 
 def expand(graph: Graph, refs: Sequence[LoopRef]) -> Graph:
