@@ -190,6 +190,14 @@ def is_axis_permutation(eqn: Any) -> bool:
     return eqn.primitive is jex_core.primitives.transpose_p
 
 
+def made_by_vmap(eqn: Any) -> bool:
+    """Whether `jax.vmap` itself made an equation (moving a batch axis to `out_axes`), not
+    code running under it: the innermost entry of its name stack is the vmap transform."""
+    stack = getattr(eqn.source_info.name_stack, "stack", ())
+    last = stack[-1] if stack else None
+    return type(last).__name__ == "Transform" and getattr(last, "name", None) == "vmap"
+
+
 def primitive_name(eqn: Any) -> str:
     return str(eqn.primitive.name)
 

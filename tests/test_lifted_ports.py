@@ -75,3 +75,44 @@ def test_start_at_a_lifted_scan_takes_the_callers_arrays(scanned):
     grads = jax.grad(lambda v: tail.apply(v, jnp.zeros((3, 6)), x).sum())(tail.variables)
     full = jax.grad(lambda v: model.apply(v, x).sum())(variables)
     assert_trees_all_close(grads["params"]["loop"], full["params"]["loop"])
+
+
+class Member(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3, name="fc")(x)
+
+
+class Ensemble(nn.Module):
+    """Four members over axis 1 of the input, their outputs stacked on axis 1."""
+
+    @nn.compact
+    def __call__(self, x):
+        members = nn.vmap(
+            Member,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=1,
+            out_axes=1,
+            axis_size=4,
+        )
+        return jnp.tanh(members(name="ens")(x)).sum(axis=1)
+
+
+def ensemble_by_hand(params, x):
+    p = params["ens"]["fc"]
+    outs = [x[:, k] @ p["kernel"][k] + p["bias"][k] for k in range(4)]
+    return jnp.stack(outs, axis=1)
+
+
+def test_a_vmapped_module_returns_what_its_caller_receives():
+    model = Ensemble()
+    x = jax.random.normal(jax.random.key(2), (2, 4, 5))
+    variables = model.init(jax.random.key(3), x)
+    row = next(b for b in js.boundaries(model, variables, x) if b.name == "ens")
+    assert [tuple(a.shape) for a in row.inputs] == [(2, 4, 5)]
+    assert [tuple(a.shape) for a in row.outputs] == [(2, 4, 3)]
+    want = ensemble_by_hand(variables["params"], x)
+    assert_trees_all_close(js.slice(model, variables, x, end="ens")(x), want)
+    tail = js.slice(model, variables, x, start="ens:output", end=None)
+    assert_trees_all_close(tail(want), model.apply(variables, x))

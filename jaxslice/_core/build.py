@@ -199,6 +199,7 @@ def build(closed_jaxpr: Any, signature: Signature, *, name_scopes: bool = False)
     g = b.g
     g.source = (closed_jaxpr, signature, name_scopes)
     g.calls = _whole_loops(g, _calls_from_markers(b.occurrences))
+    _vmapped_results(g)
     if name_scopes:
         g.calls = _with_scope_calls(g, b.loop_scopes)
     _number_calls(g.calls)
@@ -463,6 +464,34 @@ def _complete(record: CallRecord, ports: dict[str, dict[int, int]]) -> bool:
     return len(ports[INPUT]) == sum(record.in_is_array) and len(ports["output"]) == sum(
         record.out_is_array
     )
+
+
+def _vmapped_results(g: Graph) -> None:
+    """A module lifted by `vmap` (linen `nn.vmap`) returns what its caller receives.
+
+    Inside the transform its result is stacked along a leading axis, which `jax.vmap`
+    then moves to `out_axes`; an output that only that move reads is taken after it.
+    A call nested in another with the same output keeps the stacked value.
+    """
+    readers = _readers(g)
+    moved: dict[int, int] = {}
+    for c in sorted((c for c in g.calls if c.loop is None), key=lambda c: (c.start, c.in_seq)):
+        for s in c.out_slots:
+            pos = _vmap_move(g, readers, s.id)
+            if pos is not None and s.id not in moved:
+                moved[s.id] = pos
+                s.id = g.eqns[pos].outs[0]
+                c.stop = max(c.stop, pos + 1)
+
+
+def _vmap_move(g: Graph, readers: dict[int, list[int]], v: int | None) -> int | None:
+    """The position of the `vmap`-made axis move that alone reads `v`, if any."""
+    users = readers.get(v, []) if v is not None else []
+    if len(users) != 1 or users[0] < 0:
+        return None
+    eqn = g.eqns[users[0]]
+    moves = _compat.is_axis_permutation(eqn.jax_eqn) and _compat.made_by_vmap(eqn.jax_eqn)
+    return users[0] if moves else None
 
 
 def _readers(g: Graph) -> dict[int, list[int]]:
