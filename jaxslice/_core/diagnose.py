@@ -87,11 +87,23 @@ def check_connected(
     """Every end depends on a start, and every start is used by an end."""
     input_ids = {i for a in arguments for i in a.input_ids}
     for port in flat_ports(ends):
-        ids = [s.id for s in jax.tree_util.tree_leaves(port_value_tree(graph, port))]
-        ids = [i for i in ids if i is not None]
+        ids = _value_ids(graph, port)
         if ids and not graph.cut(input_ids, ids).used_starts:
             what = _not_dependent(port, starts)
             raise DisconnectedError(DisconnectedError.TEMPLATE.format(what=what))
+    _check_used(arguments, result, starts, ends)
+
+
+def _value_ids(graph: Graph, port: Port) -> list[int]:
+    """The array values an end port yields."""
+    slots = jax.tree_util.tree_leaves(port_value_tree(graph, port))
+    return [s.id for s in slots if s.id is not None]
+
+
+def _check_used(
+    arguments: Sequence[Argument], result: analysis.Cut, starts: tuple[Port, ...], ends: Any
+) -> None:
+    """Every start feeds some end."""
     unused = [p for p in starts if not _start_ids(arguments, p) & result.used_starts]
     if unused:
         end_labels = ", ".join(p.label for p in flat_ports(ends))
