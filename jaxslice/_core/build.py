@@ -423,8 +423,9 @@ def _caller_ports(eqn: Any, record: CallRecord) -> tuple[dict, dict] | None:
 
 
 def body_ports(body: Any) -> dict[int, tuple[CallRecord, dict[str, dict[int, int]]]]:
-    """The calls made once per iteration directly in a loop body whose array leaves are
-    the body's own parameters (inputs) and results (outputs).
+    """The calls made once per iteration in a loop body (directly, or inside a jit or
+    remat in it) whose array leaves are the body's own parameters (inputs) and results
+    (outputs).
 
     Returns ``{id(record): (record, {side: {leaf: position}})}``, the position of each
     input leaf among the body's invars and of each output leaf among its outvars.
@@ -432,9 +433,19 @@ def body_ports(body: Any) -> dict[int, tuple[CallRecord, dict[str, dict[int, int
     places = {INPUT: _positions(body.invars), "output": _positions(body.outvars)}
     found: dict[int, tuple[CallRecord, dict[str, dict[int, int]]]] = {}
     refused: set[int] = set()
-    for inner in body.eqns:
+    _walk_ports(body, places, found, refused)
+    return {k: v for k, v in found.items() if k not in refused and _complete(*v)}
+
+
+def _walk_ports(jaxpr: Any, places: dict[str, dict], found: dict, refused: set[int]) -> None:
+    for inner in jaxpr.eqns:
         marker = _compat.marker_payload(inner)
-        if marker is None or marker.leaf == PLACEHOLDER:
+        if marker is None:
+            sub = _compat.call_body(inner)
+            if sub is not None:
+                _walk_ports(sub[0], _inner_places(places, inner, sub[0]), found, refused)
+            continue
+        if marker.leaf == PLACEHOLDER:
             continue
         record, ports = found.setdefault(
             id(marker.record), (marker.record, {INPUT: {}, "output": {}})
@@ -443,7 +454,24 @@ def body_ports(body: Any) -> dict[int, tuple[CallRecord, dict[str, dict[int, int
         if j is None or marker.leaf in ports[marker.side]:
             refused.add(id(record))
         ports[marker.side][marker.leaf] = j
-    return {k: v for k, v in found.items() if k not in refused and _complete(*v)}
+
+
+def _inner_places(places: dict[str, dict], eqn: Any, body: Any) -> dict[str, dict]:
+    """`places` seen from inside a call-like equation's body: its parameters and results
+    stand for the equation's operands and results."""
+
+    def through(outer: Sequence[Any], inner: Sequence[Any], known: dict) -> dict:
+        pairs = zip(outer, inner, strict=True)
+        return {
+            i: known[o]
+            for o, i in pairs
+            if not _compat.is_literal(i) and _position(o, known) is not None
+        }
+
+    return {
+        INPUT: through(eqn.invars, body.invars, places[INPUT]),
+        "output": through(eqn.outvars, body.outvars, places["output"]),
+    }
 
 
 def _position(atom: Any, places: dict[Any, int]) -> int | None:

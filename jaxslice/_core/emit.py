@@ -39,13 +39,21 @@ def emit(
     arg_ids = [tuple(ids) for ids in arg_ids]
     output_ids = tuple(output_ids)
 
+    # An equation the slice needs for one result may also compute a value the slice is
+    # given (a loop whose carry is a start, say): the given value wins.
+    given = {v for ids in arg_ids for v in ids}
+    kept = [[v not in given for v in e.outs] if given & set(e.outs) else None for e in eqns]
+
     def run(*groups: Sequence[Any]) -> list[Any]:
         env: dict[int, Any] = dict(consts)
         for ids, values in zip(arg_ids, groups, strict=True):
             env.update(zip(ids, values, strict=True))
-        for eqn in eqns:
+        for eqn, keep in zip(eqns, kept, strict=True):
             outs = _compat.bind_eqn(eqn.jax_eqn, [env[v] for v in eqn.ins])
-            env.update(zip(eqn.outs, outs, strict=True))
+            pairs = zip(eqn.outs, outs, strict=True)
+            env.update(
+                pairs if keep is None else (p for p, k in zip(pairs, keep, strict=True) if k)
+            )
         return [env[v] for v in output_ids]
 
     return run

@@ -232,7 +232,7 @@ class _Expander:
             done[piece[0]] = self._piece(run, piece, req, edges, ctx)
         rows = [done[a] for a, _, _ in pieces]
         if run.frame is not None:
-            self._emit_stacked(run.frame, [store for _, store in rows], ctx)
+            self._emit_stacked(run, [store for _, store in rows], ctx)
         num_ys = len(run.parts.jaxpr.outvars) - run.parts.num_carry
         return [*run.carry, *(_concat([r[0][i] for r in rows]) for i in range(num_ys))]
 
@@ -261,7 +261,10 @@ class _Expander:
         parts = run.parts
         outs = self.run(parts.jaxpr, parts.consts, [*run.consts, *run.carry, *x_k], body, sub)
         run.carry = outs[: parts.num_carry]
-        store = {key: v[None] for key, v in local.store.items()} if local is not None else {}
+        store = {}
+        for key, value in (local.store if local is not None else {}).items():
+            const = run.const_index(value)
+            store[key] = _Const(const) if const is not None else value[None]
         return [y[None] for y in outs[parts.num_carry :]], store
 
     def scan_rows(
@@ -271,7 +274,8 @@ class _Expander:
         a, b = rows
         parts, frame = run.parts, run.frame
         nk = parts.num_carry
-        keys: list[Any] = []
+        keys: list[Any] = []  # values stacked by the scan
+        consts: dict[Any, int | None] = {}  # values that are the loop's constants
         # The row index is carried (not scanned over), so that each stacked operand is read
         # with one dynamic slice per iteration, as the scan itself reads its own operands.
         first, move = (b - 1, -1) if parts.reverse else (a, 1)
@@ -282,8 +286,10 @@ class _Expander:
             local = frame.fresh() if frame is not None else None
             sub = _Ctx(False, (*ctx.path, STACKED), (local,) if local is not None else ())
             outs = self.run(parts.jaxpr, parts.consts, [*run.consts, *c, *x], body or _Body(), sub)
-            keys[:] = list(local.store) if local is not None else []
-            extra = [local.store[key] for key in keys]
+            found = local.store if local is not None else {}
+            consts.update((k, run.const_index(v)) for k, v in found.items())
+            keys[:] = [k for k in found if consts[k] is None]
+            extra = [found[key] for key in keys]
             return (list(outs[:nk]), i + move), (list(outs[nk:]), extra)
 
         start = (list(run.carry), jax.numpy.int32(first))
@@ -291,17 +297,25 @@ class _Expander:
             step, start, None, length=b - a, reverse=parts.reverse, unroll=_unroll(parts, b - a)
         )
         run.carry = list(carry)
-        return list(ys), dict(zip(keys, extra, strict=True))
+        store = {k: _Const(j) for k, j in consts.items() if j is not None}
+        store.update(zip(keys, extra, strict=True))
+        return list(ys), store
 
-    def _emit_stacked(self, frame: _Frame, stores: list[dict[Any, Any]], ctx: _Ctx) -> None:
-        """Each stacked name's values of all pieces, in row order, as one call."""
+    def _emit_stacked(self, run: _Run, stores: list[dict[Any, Any]], ctx: _Ctx) -> None:
+        """Each stacked name's values of all pieces, in row order, as one call. A value
+        that is one of the loop's constants in every iteration is that constant (a
+        parameter stays a parameter, as in one iteration's port)."""
         keys = list(stores[0]) if stores else []
         calls = list(dict.fromkeys(key[:2] for key in keys))  # (record, path), in order
         keys.sort(key=lambda key: (calls.index(key[:2]), key[2] != INPUT, key[3]))
         for key in keys:
             rid, rel, side, leaf = key
-            value = _concat([store[key] for store in stores])
-            self.emit(frame.records[rid], (*ctx.path, STACKED, *rel), side, leaf, value, ctx)
+            first = stores[0][key]
+            if isinstance(first, _Const):
+                value = run.consts[first.index]
+            else:
+                value = _concat([store[key] for store in stores])
+            self.emit(run.frame.records[rid], (*ctx.path, STACKED, *rel), side, leaf, value, ctx)
 
     # ------------------------------------------------------------------ carry boundaries
 
@@ -342,6 +356,13 @@ class _Expander:
             _placeholder(record, side)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Const:
+    """A stacked name's leaf that is the loop's constant operand `index`."""
+
+    index: int
+
+
 @dataclasses.dataclass
 class _Run:
     """A loop equation being run piece by piece: its operands and its carry so far."""
@@ -351,6 +372,10 @@ class _Run:
     carry: list[Any]
     xs: list[Any]
     frame: _Frame | None  # collects stacked names' values, if any
+
+    def const_index(self, value: Any) -> int | None:
+        """Which of the loop's constant operands `value` is, if any."""
+        return next((j for j, c in enumerate(self.consts) if c is value), None)
 
     @classmethod
     def of(cls, eqn: Any, ins: list[Any], req: _Loop, ctx: _Ctx) -> _Run:
@@ -477,9 +502,49 @@ def _write(env: dict[Any, Any], atoms: Sequence[Any], values: Sequence[Any]) -> 
 def loop_refs(graph: Graph, start: Any, end: Any) -> list[LoopRef]:
     """The names in `start` and `end` that pick iterations of calls inside scans."""
     resolver = Resolver(graph)
-    found = [resolver.loop_ref(spec, INPUT) for spec in _specs(start)]
-    found += [resolver.loop_ref(_name_of(spec), OUTPUT) for spec in _specs(end)]
-    return [ref for ref in found if ref is not None]
+    specs = [(spec, INPUT) for spec in _specs(start)]
+    specs += [(_name_of(spec), OUTPUT) for spec in _specs(end)]
+    found = [(spec, resolver.loop_ref(spec, port)) for spec, port in specs]
+    refs = [ref for _, ref in found if ref is not None]
+    if refs:
+        _check_wholes(graph, resolver, [spec for spec, ref in found if ref is None], refs)
+    return refs
+
+
+MIXED = (
+    "{whole!r} is a scanned module as a whole and {one!r} one of its iterations; one slice "
+    "cannot name both. Name the loop's ends by iteration instead: {first!r} for its input "
+    "and {last!r} for its result."
+)
+
+
+def _check_wholes(graph: Graph, resolver: Resolver, specs: list[Any], refs: list[LoopRef]) -> None:
+    """A lifted module as a whole cannot be named with one of its own iterations (the
+    loop is written out in pieces, so it is no longer one call)."""
+    split = {id(ref.call.loop.chain()[0].eqn): ref for ref in refs}
+    for spec in specs:
+        loop = _lifted_loop(graph, resolver, spec)
+        ref = split.get(id(loop.eqn)) if loop is not None else None
+        if ref is not None:
+            base = parse(spec)[0]
+            raise SliceError(
+                MIXED.format(
+                    whole=spec, one=ref.spec, first=f"{base}[0]:input", last=f"{base}[-1]:output"
+                )
+            )
+
+
+def _lifted_loop(graph: Graph, resolver: Resolver, spec: Any) -> Any:
+    """The loop a name of a lifted module as a whole stands for, or None."""
+    if not isinstance(spec, str):
+        return None
+    base, index, _ = parse(spec)
+    calls = resolver.by_name.get(base, [])
+    whole = calls[index or 0] if len(calls) > (index or 0) else None
+    if whole is None or whole.loop is not None or whole.record is None:
+        return None
+    body = next((c for c in graph.calls if c.record is whole.record and c.loop), None)
+    return body.loop.chain()[0] if body is not None else None
 
 
 def _specs(spec: Any) -> list[Any]:
