@@ -39,10 +39,7 @@ def emit(
     arg_ids = [tuple(ids) for ids in arg_ids]
     output_ids = tuple(output_ids)
 
-    # An equation the slice needs for one result may also compute a value the slice is
-    # given (a loop whose carry is a start, say): the given value wins.
-    given = {v for ids in arg_ids for v in ids}
-    kept = [[v not in given for v in e.outs] if given & set(e.outs) else None for e in eqns]
+    kept = _kept_results(eqns, {v for ids in arg_ids for v in ids})
 
     def run(*groups: Sequence[Any]) -> list[Any]:
         env: dict[int, Any] = dict(consts)
@@ -57,6 +54,13 @@ def emit(
         return [env[v] for v in output_ids]
 
     return run
+
+
+def _kept_results(eqns: Sequence[Any], given: set[int]) -> list[list[bool] | None]:
+    """Per equation, which results to keep (None: all). An equation the slice needs for
+    one result may also compute a value the slice is given (a loop whose carry is a
+    start, say): the given value wins."""
+    return [[v not in given for v in e.outs] if given & set(e.outs) else None for e in eqns]
 
 
 def assemble(trees: Any, values: Sequence[Any]) -> Any:

@@ -261,10 +261,7 @@ class _Expander:
         parts = run.parts
         outs = self.run(parts.jaxpr, parts.consts, [*run.consts, *run.carry, *x_k], body, sub)
         run.carry = outs[: parts.num_carry]
-        store = {}
-        for key, value in (local.store if local is not None else {}).items():
-            const = run.const_index(value)
-            store[key] = _Const(const) if const is not None else value[None]
+        store = {key: run.one_row(v) for key, v in (local.store if local else {}).items()}
         return [y[None] for y in outs[parts.num_carry :]], store
 
     def scan_rows(
@@ -326,13 +323,11 @@ class _Expander:
         found = {}
         maps = self._edge_maps(parts)
         for k, body in req.splits.items():
-            rids = {rid for rid, _ in body.targets}
-            if body.loops or len(rids) != 1 or next(iter(rids)) not in maps:
-                continue
-            rid = next(iter(rids))
-            record, ports = maps[rid]
-            sides = frozenset(side for _, side in body.targets)
-            found[k] = _Edge(self.record(record, (*ctx.path, k), sides), ports, sides)
+            rid = _only_record(body)
+            if rid in maps:
+                record, ports = maps[rid]
+                sides = frozenset(side for _, side in body.targets)
+                found[k] = _Edge(self.record(record, (*ctx.path, k), sides), ports, sides)
         return found
 
     def _edge_maps(self, parts: Any) -> dict[int, Any]:
@@ -373,6 +368,11 @@ class _Run:
     xs: list[Any]
     frame: _Frame | None  # collects stacked names' values, if any
 
+    def one_row(self, value: Any) -> Any:
+        """A value of one iteration as a piece of one row (or the constant it is)."""
+        const = self.const_index(value)
+        return _Const(const) if const is not None else value[None]
+
     def const_index(self, value: Any) -> int | None:
         """Which of the loop's constant operands `value` is, if any."""
         return next((j for j, c in enumerate(self.consts) if c is value), None)
@@ -400,6 +400,12 @@ class _Edge:
     record: CallRecord
     ports: dict[str, list[tuple[int, tuple[str, int]]]]
     sides: frozenset[str]
+
+
+def _only_record(body: _Body) -> int | None:
+    """The one call an iteration's request names, if it names one call and no loop."""
+    rids = {rid for rid, _ in body.targets}
+    return next(iter(rids)) if len(rids) == 1 and not body.loops else None
 
 
 def _placeholder(record: CallRecord, side: str) -> None:
@@ -527,21 +533,17 @@ def _check_wholes(graph: Graph, resolver: Resolver, specs: list[Any], refs: list
         ref = split.get(id(loop.eqn)) if loop is not None else None
         if ref is not None:
             base = parse(spec)[0]
-            raise SliceError(
-                MIXED.format(
-                    whole=spec, one=ref.spec, first=f"{base}[0]:input", last=f"{base}[-1]:output"
-                )
-            )
+            first, last = f"{base}[0]:input", f"{base}[-1]:output"
+            raise SliceError(MIXED.format(whole=spec, one=ref.spec, first=first, last=last))
 
 
 def _lifted_loop(graph: Graph, resolver: Resolver, spec: Any) -> Any:
     """The loop a name of a lifted module as a whole stands for, or None."""
-    if not isinstance(spec, str):
+    try:
+        whole, _ = resolver.resolve(spec, OUTPUT)
+    except SliceError:  # not a name of a call (None, or wrong: reported when planning)
         return None
-    base, index, _ = parse(spec)
-    calls = resolver.by_name.get(base, [])
-    whole = calls[index or 0] if len(calls) > (index or 0) else None
-    if whole is None or whole.loop is not None or whole.record is None:
+    if whole.loop is not None or whole.record is None:
         return None
     body = next((c for c in graph.calls if c.record is whole.record and c.loop), None)
     return body.loop.chain()[0] if body is not None else None
@@ -562,17 +564,17 @@ def _name_of(spec: Any) -> Any:
 def written_out(graph: Graph) -> Graph:
     """The graph with every iteration of every scan that holds boundaries written out, so
     that each iteration's calls are ordinary calls (what an interpreter walks)."""
-    refs = []
-    for call in graph.calls:
-        if call.template is None or call.loop is None:
-            continue
-        sites = call.loop.chain()
-        if any(site.length is None for site in sites):
-            continue
-        for path in itertools.product(*(range(site.length) for site in sites)):
-            spec = f"{fill(call.template, path)}@{call.index}"
-            refs.append(LoopRef(spec, call, tuple(path), INPUT))
+    refs = [ref for call in graph.calls for ref in _every_iteration(call)]
     return expanded(graph, refs) if refs else graph
+
+
+def _every_iteration(call: Any) -> list[LoopRef]:
+    """A name for each iteration of a call inside scans (none for other calls)."""
+    sites = call.loop.chain() if call.template is not None else []
+    if not sites or any(site.length is None for site in sites):
+        return []
+    paths = itertools.product(*(range(site.length) for site in sites))
+    return [LoopRef(f"{fill(call.template, p)}@{call.index}", call, p, INPUT) for p in paths]
 
 
 #: expanded graphs kept per traced graph (one per set of names)
@@ -614,11 +616,16 @@ def expand(graph: Graph, refs: Sequence[LoopRef]) -> Graph:
 
 def _aliases(graph: Graph, refs: Sequence[LoopRef]) -> dict[tuple[str, int | None], Any]:
     """Each name of `refs` (without its port) -> its call in the expanded `graph`."""
-    by_key = {c.record.key: c for c in graph.calls if c.record is not None and c.record.key}
+    by_key = {_key(c): c for c in graph.calls}
     lost = [ref.spec for ref in refs if ref.key not in by_key]
     if lost:
         raise SliceError(LOST.format(names=lost))
     return {parse(ref.spec)[:2]: by_key[ref.key] for ref in refs}
+
+
+def _key(call: Any) -> Any:
+    """How a call written out by `expand` is known (None for other calls)."""
+    return getattr(call.record, "key", None)
 
 
 LOST = (

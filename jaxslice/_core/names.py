@@ -171,17 +171,19 @@ class Resolver:
                 f"({type(spec).__name__})."
             )
         base, index, port = parse(spec)
-        alias = self.graph.aliases.get((base, index))
-        if alias is not None:
-            return alias, port or default_port
+        call = self.graph.aliases.get((base, index)) or self._listed(spec, base, index)
+        return call, port or default_port
+
+    def _listed(self, spec: str, base: str, index: int | None) -> Call:
+        """The call of a name as the graph lists it (outside loops)."""
         if split_indices(base)[1] and base not in self.by_name:
-            self.loop_ref(spec, default_port)  # a clear error if the name is wrong
+            self.loop_ref(spec, OUTPUT)  # a clear error if the name is wrong
             raise BoundaryInLoopError(NOT_HERE.format(spec=spec))
         self._check_literal(spec, base)
         call = self._pick(spec, base, index)
         if call.loop is not None:
             raise self._in_loop(spec, call)
-        return call, port or default_port
+        return call
 
     def loop_ref(self, spec: Any, default_port: str) -> LoopRef | None:
         """The iteration(s) a name with iteration slots picks; None for other names."""
