@@ -135,6 +135,7 @@ class _Expander:
         self.renamed: dict[Any, CallRecord] = {}
         self._has_markers: dict[int, bool] = {}
         self._edges: dict[int, dict[int, Any]] = {}
+        self.free: set[int] = set()  # see `_Run.free`
 
     # ------------------------------------------------------------------ equations
 
@@ -224,7 +225,7 @@ class _Expander:
     # ------------------------------------------------------------------ loops
 
     def loop(self, eqn: Any, ins: list[Any], req: _Loop, ctx: _Ctx) -> list[Any]:
-        run = _Run.of(eqn, ins, req, ctx)
+        run = _Run.of(eqn, ins, req, ctx, self.free)
         edges = self.edges(run.parts, req, ctx)
         pieces = _pieces(run.parts.length, req.splits, edges, run.parts.reverse)
         done = {}
@@ -367,6 +368,7 @@ class _Run:
     carry: list[Any]
     xs: list[Any]
     frame: _Frame | None  # collects stacked names' values, if any
+    free: set[int]  # ids of the program's variables, random keys and constants
 
     def one_row(self, value: Any) -> Any:
         """A value of one iteration as a piece of one row (or the constant it is)."""
@@ -374,17 +376,20 @@ class _Run:
         return _Const(const) if const is not None else value[None]
 
     def const_index(self, value: Any) -> int | None:
-        """Which of the loop's constant operands `value` is, if any."""
+        """Which of the loop's constant operands `value` is, if it is one that is also
+        a variable or constant of the program (which no port takes as an input)."""
+        if id(value) not in self.free:
+            return None
         return next((j for j, c in enumerate(self.consts) if c is value), None)
 
     @classmethod
-    def of(cls, eqn: Any, ins: list[Any], req: _Loop, ctx: _Ctx) -> _Run:
+    def of(cls, eqn: Any, ins: list[Any], req: _Loop, ctx: _Ctx, free: set[int]) -> _Run:
         parts = _compat.scan_parts(eqn)
         nc, nk = parts.num_consts, parts.num_carry
         frame = None
         if req.stacked is not None:
             frame = _Frame(len(ctx.path) + 1, _relative_targets(req.stacked))
-        return cls(parts, ins[:nc], ins[nc : nc + nk], ins[nc + nk :], frame)
+        return cls(parts, ins[:nc], ins[nc : nc + nk], ins[nc + nk :], frame, free)
 
 
 def _unroll(parts: Any, length: int) -> Any:
@@ -603,7 +608,10 @@ def expand(graph: Graph, refs: Sequence[LoopRef]) -> Graph:
     root = request(refs)
     jaxpr, consts = _compat.open_jaxpr(closed)
 
+    num_free = len(signature.variable_paths) + signature.num_rngs
+
     def program(*args: Any) -> list[Any]:
+        expander.free = {id(x) for x in (*args[:num_free], *consts)}
         return expander.run(jaxpr, consts, args, root, _Ctx(True, (), ()))
 
     avals = [_spec(v) for v in jaxpr.invars]

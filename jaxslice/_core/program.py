@@ -290,10 +290,10 @@ class SliceProgram:
     def _index_variables(self, entry: Entry, variables: Any, strict: bool) -> list[int]:
         position = _array_positions(variables)
         own = self._own_paths()
-        missing = [p for p in entry.plan.variable_paths if p not in position]
-        extra = [p for p in position if p not in own] if strict else []
+        missing = _absent(entry.plan.variable_paths, position)
+        extra = _absent(position, own) if strict else []
         if missing or extra:
-            lacks = any(p not in own for p in missing)
+            lacks = bool(_absent(missing, own))
             why = _call_differs(self.base.traced.split, entry.traced.split) if lacks else ""
             raise VariablesMismatchError(_structure_message(missing, extra, why))
         return [position[p] for p in entry.plan.variable_paths]
@@ -460,6 +460,11 @@ def _check_updates(known: dict[Any, Any], updates: dict[Any, Any]) -> None:
     """New leaves have the shapes and dtypes of the leaves they replace."""
     paths = [p for p in updates if is_traced_leaf(known[p]) or is_traced_leaf(updates[p])]
     check_leaves(paths, [updates[p] for p in paths], [abstract(known[p]) for p in paths])
+
+
+def _absent(paths: Any, known: Any) -> list[Any]:
+    """The paths not in `known`."""
+    return [p for p in paths if p not in known]
 
 
 def _array_positions(tree: Any) -> dict[Any, int]:
