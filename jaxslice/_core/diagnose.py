@@ -164,13 +164,21 @@ def raise_missing(
     fix = next((c for c in _fixes(graph, starts, labels, marks, found) if works(c)), None)
     raise MissingInputError(
         MissingInputError.TEMPLATE.format(
-            start=", ".join(p.label for p in starts) if starts else "the model's inputs",
-            end=", ".join(p.label for p in ends),
+            start=_labels(starts) if starts else "the model's inputs",
+            end=_labels(ends),
             what=" and ".join(what) or "a value computed before the start",
             verb="are" if len(what) > 1 else "is",
-            fix=MissingInputError.FIX.format(starts=fix) if fix else MissingInputError.NO_FIX,
+            fix=_fix_text(fix),
         )
     )
+
+
+def _labels(ports: Sequence[Port]) -> str:
+    return ", ".join(p.label for p in ports)
+
+
+def _fix_text(fix: list[Any] | None) -> str:
+    return MissingInputError.FIX.format(starts=fix) if fix else MissingInputError.NO_FIX
 
 
 def _fixes(

@@ -413,6 +413,35 @@ def _only_record(body: _Body) -> int | None:
     return next(iter(rids)) if len(rids) == 1 and not body.loops else None
 
 
+def results_depend(eqn: Any, given: Sequence[int], others: Sequence[int]) -> bool:
+    """Whether results `others` of a loop (or any equation) are computed, in the same
+    iteration, from the values of its results `given` (True where it cannot be told)."""
+    body = _body_of(eqn)
+    if body is None:
+        return True
+    tainted = {body.outvars[k] for k in given} - {None}
+    for inner in body.eqns:
+        if _reads(inner, tainted):
+            tainted.update(inner.outvars)
+    return any(_reads_var(body.outvars[k], tainted) for k in others)
+
+
+def _body_of(eqn: Any) -> Any:
+    """The body of a scan or of a call-like equation, or None."""
+    if _compat.loop_primitive(eqn) == "scan":
+        return _compat.scan_parts(eqn).jaxpr
+    inner = _compat.call_body(eqn)
+    return inner[0] if inner is not None else None
+
+
+def _reads(eqn: Any, values: set[Any]) -> bool:
+    return any(_reads_var(a, values) for a in eqn.invars)
+
+
+def _reads_var(atom: Any, values: set[Any]) -> bool:
+    return not _compat.is_literal(atom) and atom in values
+
+
 def _placeholder(record: CallRecord, side: str) -> None:
     _compat.bind_marker(np.zeros((), np.bool_), Marker(record, side, PLACEHOLDER), side)
 

@@ -17,7 +17,7 @@ import jax
 from .. import _compat
 from .._errors import SliceError
 from .._trees import key_name
-from . import analysis, diagnose
+from . import analysis, diagnose, loops
 from .graph import Graph
 from .markers import INPUT
 from .names import Resolver
@@ -148,17 +148,44 @@ def _finish(graph: Graph, p: Plan) -> Plan:
     has_effects = lambda i: _compat.has_effects(graph.eqns[i].jax_eqn)  # noqa: E731
     result = analysis.effects_inside(graph.program, result, p.input_ids, graph.is_free, has_effects)
     result, steps = _fold(graph, result, p.input_ids, outputs)
+    program = tuple(_step_eqn(graph, step) for step in steps)
+    _check_given(program, p.input_ids, outputs)
     used = result.used_free
     variables = [(v, q) for v, q in zip(graph.variable_ids, graph.variable_paths, strict=True)]
     variables = [(v, q) for v, q in variables if v in used]
     return dataclasses.replace(
         p,
         cut=result,
-        program=tuple(_step_eqn(graph, step) for step in steps),
+        program=program,
         variable_ids=tuple(v for v, _ in variables),
         variable_paths=tuple(q for _, q in variables),
         rng_ids=tuple(v for v in graph.rng_ids if v in used),
     )
+
+
+GIVEN_AND_COMPUTED = (
+    "The slice is given a value that the model computes in one loop together with other "
+    "values the slice needs, from that value ({primitive} results {given} and {others}): "
+    "it cannot take the one and compute the others from the model's own. Start at a "
+    "boundary before the loop, or do not ask for the values the loop computes with it."
+)
+
+
+def _check_given(program: Sequence[Any], given: Sequence[int], outputs: Sequence[int]) -> None:
+    """A start value that a needed equation also computes replaces that result; the
+    equation's other results the slice needs must not be computed from it."""
+    given_set = set(given)
+    needed = {v for e in program for v in e.ins} | set(outputs)
+    for e in program:
+        mine = _positions(e.outs, lambda v: v in given_set)
+        others = _positions(e.outs, lambda v: v not in given_set and v in needed)
+        if mine and others and loops.results_depend(e.jax_eqn, mine, others):
+            what = GIVEN_AND_COMPUTED.format(primitive=e.primitive, given=mine, others=others)
+            raise SliceError(what)
+
+
+def _positions(values: Sequence[int], keep: Callable[[int], bool]) -> list[int]:
+    return [k for k, v in enumerate(values) if keep(v)]
 
 
 def _fold(graph: Graph, result: analysis.Cut, starts: Any, outputs: Any) -> Any:
