@@ -56,31 +56,43 @@ class _Occurrence:
     aval: Any = None  # in a loop body, the value's shape and dtype in one iteration
 
 
+class BoundaryIndex:
+    """Which jaxprs and equations hold boundaries: marker equations or, with `scopes`,
+    equations inside a `jax.named_scope` (at any depth; remembered per jaxpr)."""
+
+    def __init__(self, scopes: bool = False) -> None:
+        self.scopes = scopes
+        self._memo: dict[int, bool] = {}
+
+    def in_jaxpr(self, jaxpr: Any) -> bool:
+        key = id(jaxpr)
+        if key not in self._memo:
+            self._memo[key] = any(self._is_boundary(e) for e in jaxpr.eqns)
+        return self._memo[key]
+
+    def inside(self, eqn: Any) -> bool:
+        """Whether the jaxprs an equation holds (its bodies) hold boundaries."""
+        return any(self.in_jaxpr(s) for s in _compat.subjaxprs(eqn))
+
+    def _is_boundary(self, eqn: Any) -> bool:
+        if _compat.marker_payload(eqn) is not None:
+            return True
+        return (self.scopes and bool(_compat.eqn_scopes(eqn))) or self.inside(eqn)
+
+
 class _Builder:
     def __init__(self, scopes: bool = False) -> None:
         self.g = Graph()
         self.occurrences: list[_Occurrence] = []
-        self._marker_memo: dict[int, bool] = {}
         # With name-scope boundaries, a jit or remat body whose equations carry scopes is
         # inlined too, so the regions inside it are found.
         self.scopes = scopes
+        self.boundaries = BoundaryIndex(scopes)
         # Scope regions inside loop bodies: listed, but not sliceable (one per iteration).
         self.loop_scopes: dict[tuple[str, ...], tuple[int, LoopSite]] = {}
 
-    def has_marker(self, jaxpr: Any) -> bool:
-        """Whether `jaxpr` holds boundaries: markers (or, with scopes, scoped equations)."""
-        key = id(jaxpr)
-        if key not in self._marker_memo:
-            self._marker_memo[key] = any(self._eqn_has_boundary(e) for e in jaxpr.eqns)
-        return self._marker_memo[key]
-
-    def _eqn_has_boundary(self, eqn: Any) -> bool:
-        if _compat.marker_payload(eqn) is not None:
-            return True
-        return (self.scopes and bool(_compat.eqn_scopes(eqn))) or self.has_marker_eqn(eqn)
-
     def has_marker_eqn(self, eqn: Any) -> bool:
-        return any(self.has_marker(s) for s in _compat.subjaxprs(eqn))
+        return self.boundaries.inside(eqn)
 
     def read(self, env: dict[Any, int], atom: Any) -> int:
         if _compat.is_literal(atom):

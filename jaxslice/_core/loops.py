@@ -36,10 +36,11 @@ import numpy as np
 from .. import _compat
 from .._caches import LRU
 from .._errors import SliceError
-from .build import body_ports, build
+from .build import BoundaryIndex, body_ports, build
 from .graph import Graph
 from .markers import INPUT, OUTPUT, PLACEHOLDER, CallRecord, Marker
 from .names import STACKED, LoopRef, Resolver, fill, parse
+from .ports import flat_ports
 
 # --------------------------------------------------------------------------- requests
 
@@ -133,7 +134,7 @@ class _Expander:
     def __init__(self, templates: dict[int, str]):
         self.templates = templates
         self.renamed: dict[Any, CallRecord] = {}
-        self._has_markers: dict[int, bool] = {}
+        self.markers = BoundaryIndex()
         self._edges: dict[int, dict[int, Any]] = {}
         self.free: set[int] = set()  # see `_Run.free`
 
@@ -165,7 +166,7 @@ class _Expander:
     def _looks_inside(self, eqn: Any, body: _Body, ctx: _Ctx) -> bool:
         """Inside a loop written out, every equation with markers; at the top level, those
         holding a loop to split."""
-        return self.has_markers(eqn) and (bool(ctx.path) or self._holds(eqn, body))
+        return self.markers.inside(eqn) and (bool(ctx.path) or self._holds(eqn, body))
 
     def _inside(self, eqn: Any, ins: list[Any], body: _Body, ctx: _Ctx) -> list[Any]:
         inner = _compat.call_body(eqn)
@@ -174,17 +175,6 @@ class _Expander:
         if _compat.loop_primitive(eqn) == "scan":  # a scan not named: one piece, no markers
             return self.loop(eqn, ins, _Loop(), ctx)
         return _compat.bind_eqn(eqn, ins)
-
-    def has_markers(self, eqn: Any) -> bool:
-        return any(self._jaxpr_has_markers(j) for j in _compat.subjaxprs(eqn))
-
-    def _jaxpr_has_markers(self, jaxpr: Any) -> bool:
-        key = id(jaxpr)
-        if key not in self._has_markers:
-            self._has_markers[key] = any(
-                _compat.marker_payload(e) is not None or self.has_markers(e) for e in jaxpr.eqns
-            )
-        return self._has_markers[key]
 
     def _holds(self, eqn: Any, body: _Body) -> bool:
         """Whether a loop to split is inside `eqn` (a jit around the model, say)."""
@@ -584,11 +574,8 @@ def _lifted_loop(graph: Graph, resolver: Resolver, spec: Any) -> Any:
 
 
 def _specs(spec: Any) -> list[Any]:
-    if isinstance(spec, (list, tuple)):
-        return list(spec)
-    if isinstance(spec, dict):
-        return list(spec.values())
-    return [spec]
+    """The names of a `start` or `end` (one, a list, a tuple or a dict of them)."""
+    return flat_ports(tuple(spec) if isinstance(spec, list) else spec)
 
 
 def _name_of(spec: Any) -> Any:
