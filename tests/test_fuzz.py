@@ -72,7 +72,10 @@ from conftest import (
     assert_trees_equal,
     assert_variables_are_subset_of,
     expected_variable_paths,
+    flat_ends,
+    large_fuzz_seeds,
     leaf_paths,
+    pair_verdict,
     random_variables,
 )
 
@@ -985,7 +988,7 @@ class Oracle:
         if start is None:
             return "valid"
         starts = [self.port(s, "input") for s in (start if isinstance(start, list) else [start])]
-        ends = [self.port(e, "output") for e in _flat_ends(end)]
+        ends = [self.port(e, "output") for e in flat_ends(end)]
         given = {v for p in starts for v in self.leaves(p)}
         used: set[int] = set()
         missing = disconnected = False
@@ -1012,17 +1015,7 @@ class Oracle:
         ]
         ids = [v for p in starts for v in self.leaves(p)]
         clash = len(keywords) != len(set(keywords)) or len(ids) != len(set(ids))
-        if missing and (disconnected or unused or clash):
-            return "both"
-        if disconnected:
-            return "both" if clash else "disconnected"
-        if missing:
-            return "missing"
-        if clash:
-            return "clash"
-        if unused:
-            return "unused"
-        return "valid"
+        return pair_verdict(missing, disconnected, unused, clash)
 
     def modules_needed(self, start: Any, end: Any) -> set[str]:
         """Paths of the leaf modules (those owning variables) whose results the slice
@@ -1036,7 +1029,7 @@ class Oracle:
                 for v in self.leaves(self.port(s, "input"))
             }
         seen: set[int] = set()
-        stack = [v for e in _flat_ends(end) for v in self.leaves(self.port(e, "output"))]
+        stack = [v for e in flat_ends(end) for v in self.leaves(self.port(e, "output"))]
         while stack:
             v = stack.pop()
             if v in seen or v in given:
@@ -1084,14 +1077,6 @@ class Oracle:
         else:
             assert_variables_are_subset_of(sub.variables, self.variables, modules)
         return sub
-
-
-def _flat_ends(end: Any) -> list[Any]:
-    if isinstance(end, list):
-        return list(end)
-    if isinstance(end, dict):
-        return list(end.values())
-    return [end]
 
 
 def build_oracle(g: Generated) -> Oracle:
@@ -1215,7 +1200,7 @@ def _random_end(o: Oracle, rng: random.Random, ends: list[Any]) -> Any:
 def _random_start(o: Oracle, rng: random.Random, end: Any, starts: list[Any], related: bool) -> Any:
     """A start (or list of starts); `related`: only ports the end depends on."""
     if related:
-        anc = o.ancestors([v for e in _flat_ends(end) for v in o.leaves(o.port(e, "output"))])
+        anc = o.ancestors([v for e in flat_ends(end) for v in o.leaves(o.port(e, "output"))])
         pool = [s for s in starts if set(o.leaves(o.port(s, "input"))) & anc]
     else:
         pool = starts
@@ -1676,22 +1661,9 @@ def test_generator_is_deterministic():
         assert_trees_all_close(a.inputs, b.inputs, atol=0, rtol=0)
 
 
-def _large_selected(config: Any) -> bool:
-    if os.environ.get("JAXSLICE_FUZZ_LARGE") == "1":
-        return True
-    expr = config.getoption("markexpr") or ""
-    return "fuzz_large" in expr and "not fuzz_large" not in expr
-
-
 @pytest.mark.fuzz_large
 def test_fuzz_large(request):
-    if not _large_selected(request.config):
-        pytest.skip("the large fuzz run: select it with `-m fuzz_large` or JAXSLICE_FUZZ_LARGE=1")
-    if os.environ.get("JAXSLICE_FUZZ_SEEDS"):
-        seeds = [int(s) for s in os.environ["JAXSLICE_FUZZ_SEEDS"].split(",")]
-    else:
-        first = int(os.environ.get("JAXSLICE_FUZZ_SEED0", "1000"))
-        seeds = list(range(first, first + int(os.environ.get("JAXSLICE_FUZZ_N", "300"))))
+    seeds = large_fuzz_seeds(request.config, 300)
     # Each seed as a plain model, an extended one, or both (JAXSLICE_FUZZ_EXTRA=0, 1, both).
     which = os.environ.get("JAXSLICE_FUZZ_EXTRA", "both")
     kinds = {"0": [False], "1": [True]}.get(which, [False, True])

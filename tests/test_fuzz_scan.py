@@ -83,7 +83,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import leaf_paths, random_variables
+from conftest import flat_ends, large_fuzz_seeds, leaf_paths, pair_verdict, random_variables
 from flax import nnx
 
 import jaxslice as js
@@ -1028,14 +1028,6 @@ def describe(m: Any) -> str:
 # --------------------------------------------------------------------------- the oracle
 
 
-def _flat_ends(end: Any) -> list[Any]:
-    if isinstance(end, list):
-        return list(end)
-    if isinstance(end, dict):
-        return list(end.values())
-    return [end]
-
-
 def _items(start: Any) -> list[Any]:
     return list(start) if isinstance(start, list) else [start]
 
@@ -1183,12 +1175,12 @@ class Oracle:
         if start is None:
             return "valid"
         taken = self.taken(start)
-        kind = self._classify(taken, [self.leaves(e, "output") for e in _flat_ends(end)])
+        kind = self._classify(taken, [self.leaves(e, "output") for e in flat_ends(end)])
         # A stacked end is a value of its own, computed in the loop: a start giving one of
         # its rows may be used for it or not (an error or the right value will do).
         stacked = {
             v
-            for e in _flat_ends(end)
+            for e in flat_ends(end)
             if e is not None and "[:]" in e
             for v in self.leaves(e, "output")
         }
@@ -1221,24 +1213,14 @@ class Oracle:
         unused = any(not (set(t) & used) for t in taken)
         ids = [v for t in taken for v in t]
         clash = len(ids) != len(set(ids))
-        if missing and (disconnected or unused or clash):
-            return "both"
-        if disconnected:
-            return "both" if clash else "disconnected"
-        if missing:
-            return "missing"
-        if clash:
-            return "clash"
-        if unused:
-            return "unused"
-        return "valid"
+        return pair_verdict(missing, disconnected, unused, clash)
 
     def modules_needed(self, start: Any, end: Any) -> set[str]:
         given = (
             {v for t in self.taken(start) for v in t} if start is not None else set(self.g.inputs)
         )
         seen: set[str] = set()
-        stack = [v for e in _flat_ends(end) for v in self.leaves(e, "output")]
+        stack = [v for e in flat_ends(end) for v in self.leaves(e, "output")]
         while stack:
             v = stack.pop()
             if v in seen or v in given:
@@ -1261,7 +1243,7 @@ class Oracle:
 def refused(o: Oracle, start: Any, end: Any) -> bool:
     """A slice naming a whole lifted loop and one of its iterations is refused by design
     (a SliceError; see test_lifted_name_with_an_iteration_is_a_clear_error)."""
-    specs = [s for s in _items(start) + _flat_ends(end) if s is not None]
+    specs = [s for s in _items(start) + flat_ends(end) if s is not None]
     bases = {split_port(s)[0] for s in specs}
     return any(n in bases and any(b.startswith(n + "[") for b in bases) for n in o.g.lifted)
 
@@ -1271,16 +1253,16 @@ def known_bug(o: Oracle, start: Any, end: Any) -> str | None:
     ``xfail(strict=True)`` test below. None for every other pair."""
     if getattr(o.m.spec, "kind", None) == "fori" and start is not None:
         return "fori-start"  # test_known_bug_start_inside_fori_loop
-    stacked = [e for e in _flat_ends(end) if e is not None and "[:]" in e]
+    stacked = [e for e in flat_ends(end) if e is not None and "[:]" in e]
     if stacked and start is not None and o.classify(start, end) in ("valid", "unused"):
         # A stacked end runs every iteration's whole body (test_known_bug_stacked_end...):
         # refused when the body needs a value (an xs row) that the end itself does not.
         body = [v for v in o.g.parents if v.startswith("L")]
-        ends = [o.leaves(e, "output") for e in _flat_ends(end)] + [body]
+        ends = [o.leaves(e, "output") for e in flat_ends(end)] + [body]
         if o._classify(o.taken(start), ends) in ("missing", "both"):
             return "stacked-end-whole-body"
     if "ys" in o.g.coarse and start is not None and o.classify(start, end) in ("valid", "unused"):
-        ends = [o.leaves(e, "output") for e in _flat_ends(end)]
+        ends = [o.leaves(e, "output") for e in flat_ends(end)]
         if o._classify(o.taken(start), ends, coarse=True) in ("missing", "both"):
             return "ys-from-whole-iterations"  # test_known_bug_ys_of_an_iteration_before_the_start
     return None
@@ -1288,11 +1270,11 @@ def known_bug(o: Oracle, start: Any, end: Any) -> str | None:
 
 def needs_whole_loop(o: Oracle, start: Any, end: Any) -> bool:
     """Whether an end is a stacked value, or needs the stacked per-iteration outputs."""
-    if any(e is not None and "[:]" in e for e in _flat_ends(end)):
+    if any(e is not None and "[:]" in e for e in flat_ends(end)):
         return True
     given = {v for t in o.taken(start) for v in t}
     seen: set[str] = set()
-    stack = [v for e in _flat_ends(end) for v in o.leaves(e, "output")]
+    stack = [v for e in flat_ends(end) for v in o.leaves(e, "output")]
     while stack:
         v = stack.pop()
         if v in seen or v in given:
@@ -1433,7 +1415,7 @@ def _random_end(rng: random.Random, ends: list[Any]) -> Any:
 
 def _random_start(o: Oracle, rng: random.Random, end: Any, starts: list[Any]) -> Any:
     if rng.random() < 0.8:  # related: ports the end depends on
-        anc = o.ancestors([v for e in _flat_ends(end) for v in o.leaves(e, "output")])
+        anc = o.ancestors([v for e in flat_ends(end) for v in o.leaves(e, "output")])
         pool = [s for s in starts if s is not None and set(o.leaves(s, "input")) & anc]
     else:
         pool = [s for s in starts if s is not None]
@@ -1501,7 +1483,7 @@ def check_variables(o: Oracle, sub: Any, start: Any, end: Any) -> None:
         # modules' variables may come along (e.g. those of the last carry when only the
         # stacked ys are needed).
         body = [v for v in o.g.parents if v.startswith("L")]
-        coarse = paths(o.modules_needed(start, _flat_ends(end) + [("<nodes>", body)]))
+        coarse = paths(o.modules_needed(start, flat_ends(end) + [("<nodes>", body)]))
         assert want <= set(got) <= coarse, (
             f"sub.variables {sorted(got)}: not between {sorted(want)} and {sorted(coarse)}"
         )
@@ -1521,7 +1503,7 @@ def check_perturbed(o: Oracle, sub: Any, start: Any, end: Any, stats: Stats) -> 
     if start is None:
         return
     given = [v for t in o.taken(start) for v in t if v not in o.g.inputs]
-    ends = {v for e in _flat_ends(end) for v in o.leaves(e, "output")}
+    ends = {v for e in flat_ends(end) for v in o.leaves(e, "output")}
     if not given or ends & set(given):
         return
     if needs_whole_loop(o, start, end) and any(o.g.carries.get(y) in given for y in o.g.carries):
@@ -1840,22 +1822,9 @@ def test_generator_is_deterministic():
         close(a.inputs, b.inputs)
 
 
-def _large_selected(config: Any) -> bool:
-    if os.environ.get("JAXSLICE_FUZZ_LARGE") == "1":
-        return True
-    expr = config.getoption("markexpr") or ""
-    return "fuzz_large" in expr and "not fuzz_large" not in expr
-
-
 @pytest.mark.fuzz_large
 def test_fuzz_scan_large(request):
-    if not _large_selected(request.config):
-        pytest.skip("the large fuzz run: select it with `-m fuzz_large` or JAXSLICE_FUZZ_LARGE=1")
-    if os.environ.get("JAXSLICE_FUZZ_SEEDS"):
-        seeds = [int(s) for s in os.environ["JAXSLICE_FUZZ_SEEDS"].split(",")]
-    else:
-        first = int(os.environ.get("JAXSLICE_FUZZ_SEED0", "1000"))
-        seeds = list(range(first, first + int(os.environ.get("JAXSLICE_FUZZ_N", "100"))))
+    seeds = large_fuzz_seeds(request.config, 100)
     kinds = os.environ.get("JAXSLICE_FUZZ_KINDS", "linen,nnx,plain").split(",")
     stats = Stats()
     failures: list[tuple[str, str]] = []
