@@ -91,9 +91,6 @@ class _Builder:
         # Scope regions inside loop bodies: listed, but not sliceable (one per iteration).
         self.loop_scopes: dict[tuple[str, ...], tuple[int, LoopSite]] = {}
 
-    def has_marker_eqn(self, eqn: Any) -> bool:
-        return self.boundaries.inside(eqn)
-
     def read(self, env: dict[Any, int], atom: Any) -> int:
         if _compat.is_literal(atom):
             return self.g.new_const(_compat.literal_value(atom))
@@ -106,7 +103,7 @@ class _Builder:
             if marker is not None:
                 self._occur(marker, env, eqn, scopes)
                 continue
-            inlined = self.has_marker_eqn(eqn) or len(eqn.outvars) > 1
+            inlined = self.boundaries.inside(eqn) or len(eqn.outvars) > 1
             body = _compat.call_body(eqn) if inlined else None
             if body is not None:
                 self.inline(eqn, body, env, scopes)
@@ -125,7 +122,7 @@ class _Builder:
         idx = len(g.eqns)
         g.eqns.append(Eqn(eqn, ins, outs, scopes))
         g.producer.update(dict.fromkeys(outs, idx))
-        if self.has_marker_eqn(eqn):
+        if self.boundaries.inside(eqn):
             self.occurrences += self.loop_markers(eqn, scopes, idx, None)
 
     def inline(
@@ -139,7 +136,7 @@ class _Builder:
         self.walk(jaxpr, inner, scopes)
         outs = tuple(self.read(inner, atom) for atom in jaxpr.outvars)
         _bind(env, eqn.outvars, outs)
-        opaque = not self.has_marker_eqn(eqn)
+        opaque = not self.boundaries.inside(eqn)
         region = Region(Eqn(eqn, ins, outs, scopes), start, len(self.g.eqns), opaque)
         self.g.regions.append(region)
 
@@ -174,7 +171,7 @@ class _Builder:
                 name = _call_name(marker.record, inner_scopes)
                 aval = _compat.aval_of(inner.invars[0])
                 found.append(_Occurrence(marker, None, pos, inner_scopes, site, name, aval))
-            elif not self.has_marker_eqn(inner):
+            elif not self.boundaries.inside(inner):
                 continue
             elif body is not None:  # jit or remat inside the body: the same iterations
                 found += self._body_markers(body[0], inner_scopes, pos, site)
@@ -355,8 +352,8 @@ def _whole_loops(g: Graph, calls: list[Call]) -> list[Call]:
 
     Inside a scan body each call is one iteration (``layers[:]``); the outermost module
     of a loop that is called nowhere else *is* the loop (its outer call is the lifted
-    transform), so it also gets a boundary under its bare name whose inputs are the
-    loop's non-constant operands and whose output is the tuple of the loop's results.
+    transform), so it also gets a boundary under its bare name, with the ports its caller
+    sees (`_loop_as_call`).
     """
     outside = {c.name for c in calls if c.loop is None}
     out: list[Call] = []

@@ -103,7 +103,7 @@ class Call:
     out_seq: float = float("-inf")
     record: Any = None  # the `CallRecord` of a marked call
     # For a call in a scan body: its name with one iteration slot per enclosing scan
-    # (see `loops.template_parts`); `name` shows each slot as ``[:]``.
+    # (see `names.slot`); `name` shows each slot as ``[:]``.
     template: str | None = None
     # For a call in a loop body: per side, ``{leaf: aval}`` of one iteration's values.
     loop_avals: tuple[dict[int, Any], dict[int, Any]] = dataclasses.field(

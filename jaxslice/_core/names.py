@@ -297,8 +297,9 @@ class Resolver:
 
     def _in_scan_hint(self, base: str) -> str:
         """For a call of a scan body named without its iteration: how to name one."""
-        parts = split_indices(base)[0]
-        calls = next((c for p, c in self.by_parts.items() if _without_slots(p) == parts), None)
+        calls = next(
+            (cs for cs in self.by_parts.values() if unslotted(cs[0].template) == base), None
+        )
         if calls is None:
             return ""
         call = calls[0]
@@ -338,11 +339,6 @@ SCOPE_IN_SCAN = (
 
 def _template_parts(template: str) -> tuple[str, ...]:
     return split_indices(shown(template))[0]
-
-
-def _without_slots(parts: tuple[str, ...]) -> tuple[str, ...]:
-    """The name a user writes without the iteration slots, as parts (one part)."""
-    return ("".join(parts),)
 
 
 def _iteration(spec: str, text: str, site: Any) -> int | str:
