@@ -85,7 +85,7 @@ def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> 
     names = _names(names)
     key = _key(target, args, kwargs, names)
     program = _PROGRAMS.get(key) if key is not None else None
-    if program is None or program.target is not target:
+    if program is None or (program.adapter.holds_variables and program.target is not target):
         program = _program(target, args, kwargs, names)
         if key is not None:
             _PROGRAMS.put(key, program)

@@ -47,12 +47,14 @@ def slice(target: Any, *args: Any, start: Any = None, end: Any = None, **kwargs:
     ['layers_2']
     """
     program = SliceProgram.build(target, args, kwargs, start, end)
-    return view(program)
+    return view(program, target)
 
 
-def view(program: SliceProgram) -> Any:
-    """What users get for a program: the adapter's own kind of slice, or a `Sliced`."""
-    custom = program.adapter.slice_view(program.target, program)
+def view(program: SliceProgram, target: Any = None) -> Any:
+    """What users get for a program of `target` (by default, the program's own): the
+    adapter's own kind of slice, or a `Sliced`."""
+    target = program.target if target is None else target
+    custom = program.adapter.slice_view(target, program)
     return Sliced(program) if custom is None else custom
 
 

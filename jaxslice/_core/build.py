@@ -280,6 +280,13 @@ class _Open:
         once for shapes), not a call of this program."""
         return not self.outs and len(self.ins) < max(1, sum(self.record.in_is_array))
 
+    def is_boundary(self) -> bool:
+        """Whether the call is a boundary: it returned, and a module call takes or returns
+        arrays (a helper method that builds a submodule or reads a flag does neither)."""
+        record = self.record
+        moves_arrays = any(record.in_is_array) or any(record.out_is_array)
+        return not self.abandoned() and (moves_arrays or record.origin is not Origin.MODULE)
+
     def finish(self) -> Call:
         record = self.record
         self.call.in_slots = _slots(self.ins, record.in_is_array, {})
@@ -315,7 +322,7 @@ def _calls_from_markers(occurrences: list[_Occurrence]) -> list[Call]:
             state.add_input(occ)
         elif state is not None:  # an output without its input: the input was dead code
             state.add_output(occ, seq)
-    return [state.finish() for state in opened if not state.abandoned()]
+    return [state.finish() for state in opened if state.is_boundary()]
 
 
 def _new_call(occ: _Occurrence, seq: int) -> Call:

@@ -85,7 +85,9 @@ class SliceProgram:
     def __init__(self, traced: Traced, start: Any, end: Any):
         began = time.perf_counter()
         self.start, self.end = start, end
-        self.adapter, self.target = traced.adapter, traced.target
+        self.adapter = traced.adapter
+        # A model that is a pytree of its arrays is kept as its structure only.
+        self.target = traced.target = self.adapter.skeleton(traced.target)
         self.base = make_entry(traced, start, end)
         self.build_info = BuildInfo(
             traced.seconds - traced.build_seconds,
@@ -355,6 +357,25 @@ class SliceProgram:
                 kwargs[arg.keyword] = value
         return args, kwargs
 
+    def check_exportable(self) -> None:
+        """Raises a `SliceError` if the slice is no pure function of its variables and
+        inputs in its mode: it draws random numbers, or it updates state."""
+        plan_, split = self.base.plan, self.base.traced.split
+        mode = dict(split.mode)
+        if plan_.rng_ids:
+            names = sorted(split.rngs) if isinstance(split.rngs, Mapping) else ["dropout"]
+            rngs = "{" + ", ".join(f"{n!r}: key" for n in names) + "}"
+            raise SliceError(EXPORT_RNGS.format(mode=mode, rngs=rngs))
+        if plan_.updated_collections:
+            names = list(plan_.updated_collections)
+            raise SliceError(EXPORT_UPDATES.format(mode=mode, names=names))
+
+    @property
+    def sample_rngs(self) -> Any:
+        """The `rngs` the slice was made with: a re-trace of the whole model at new shapes
+        may need them, though the slice itself reads none (`check_exportable`)."""
+        return self.base.traced.split.rngs
+
     # ------------------------------------------------------------------ views
 
     @property
@@ -404,6 +425,20 @@ FIXED_LEAVES = (
     "The slice's input {arg} holds leaves fixed by the trace (non-arrays or parameters), "
     "which an exported function cannot take; export a slice whose inputs are arrays, e.g. "
     "start at an ':output' port."
+)
+EXPORT_RNGS = (
+    "In its mode {mode} this slice draws random numbers (it reads the keys passed as "
+    "`rngs`), and `sub.export()` makes a program that takes no random keys. Slice the model "
+    "in a mode that draws none (e.g. train=False), or export your own function that takes "
+    "the key, for example: jax.export.export(jax.jit(lambda v, x, key: sub.apply(v, x, "
+    "rngs={rngs})))(...)."
+)
+EXPORT_UPDATES = (
+    "In its mode {mode} this slice updates {names}, and `sub.export()` makes a program that "
+    "returns only the slice's outputs, so those updates would be lost. To export a feature "
+    "extractor, slice the model in evaluation mode (e.g. train=False). To export the "
+    "updates too, export your own function, for example: jax.export.export(jax.jit("
+    "lambda v, x: sub.apply(v, x, mutable={names})))(...)."
 )
 NO_COLLECTIONS = (
     "A plain function takes random keys and state as ordinary inputs; `rngs` and "

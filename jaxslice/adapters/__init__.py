@@ -10,13 +10,16 @@ from typing import Any
 
 from .._errors import UnsupportedTargetError
 from ._base import Adapter, Split
+from ._equinox import EquinoxAdapter
+from ._haiku import HaikuAdapter
+from ._keras import KerasAdapter
 from ._linen import LinenAdapter
 from ._nnx import NNXAdapter
 from ._plain import PlainAdapter
 
 # Tried in order: each kind's `accepts` looks at the target without importing libraries
 # the user has not imported; a plain function is the last resort.
-_KINDS = (LinenAdapter, NNXAdapter, PlainAdapter)
+_KINDS = (LinenAdapter, NNXAdapter, EquinoxAdapter, HaikuAdapter, KerasAdapter, PlainAdapter)
 
 
 def adapter_for(target: Any) -> Adapter:

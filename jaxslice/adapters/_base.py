@@ -83,6 +83,11 @@ class Adapter:
         """``[(path, leaf)]`` of the updated state returned by `call`."""
         return jax.tree_util.tree_flatten_with_path(state)[0]
 
+    def skeleton(self, target: Any) -> Any:
+        """What a trace keeps of the target to call it again with traced variables: the
+        target without its arrays, for a kind whose model is a pytree of them."""
+        return target
+
     def resplit(self, target: Any, split: Split) -> Split:
         """A split that reflects the target's current structure (for re-tracing)."""
         return split

@@ -37,15 +37,30 @@ RNG_HINT = (
 )
 
 
+def _module_path(module: Any) -> tuple[str, ...]:
+    """A module's path: its scope's path, where its variables are keyed.
+
+    A module that uses another module's scope (`nn.share_scope`: gemma's feed-forward
+    layers and their einsums, a LoRA wrapper around a Dense) is named by where it sits
+    in the module tree instead (its parent's path and its own name), so the two calls
+    are two boundaries a user can tell apart, not one module called twice.
+    """
+    scope = getattr(module, "scope", None)
+    path = tuple(str(p) for p in scope.path) if scope is not None else ()
+    name, parent = getattr(module, "name", None), getattr(module, "parent", None)
+    if not path or name is None or name == path[-1] or getattr(parent, "scope", None) is None:
+        return path
+    return (*_module_path(parent), str(name))
+
+
 def _interceptor(next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
     module = context.module
-    scope = getattr(module, "scope", None)
-    path = tuple(scope.path) if scope is not None else ()
+    path = _module_path(module)
     if not path or context.method_name in _SKIPPED_METHODS:
         return next_fun(*args, **kwargs)
     record = new_record(
         origin=Origin.MODULE,
-        path=tuple(str(p) for p in path),
+        path=path,
         method=context.method_name,
         module_type=type(module).__name__,
     )

@@ -5,12 +5,9 @@ the traced program merges them back into a fresh copy and calls it, and returns 
 copy's variables afterwards as updated state (batch statistics, RNG counters).
 
 Submodule calls are marked by wrapping ``__call__`` on the classes of the copy's
-submodules while any trace needs them: the wrapper marks a call only when its ``self`` is
-one of the submodules of the model traced *in the current context* (a context variable
-holds their paths, so other threads and other models pass straight through). Patching
-is reference-counted under a lock, so concurrent traces share the wrappers and the
-classes are restored when the last one ends, also when tracing fails. Names are
-attribute paths joined by ``/`` (``blocks/0/linear``); only ``__call__`` is marked.
+submodules while the trace runs (`_patching.marked_calls`: only this context's model is
+marked). Names are attribute paths joined by ``/`` (``blocks/0/linear``); only
+``__call__`` is marked.
 
 Sharp edge: a model that changes its Python attributes while it runs (a counter kept in
 a plain attribute, say) cannot be replayed by a slice, so tracing checks that the graph
@@ -20,24 +17,15 @@ definition is the same after the call and raises otherwise.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._core.markers import Origin, StopTracing, call_marked, new_record
+from .._core.markers import StopTracing
 from .._errors import AttributeMutationError
 from .._trees import is_array
 from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
 from ._nnx_state import flat_state, get_value, set_value, state_from_flat
-
-_PATHS: contextvars.ContextVar[dict[int, tuple[str, ...]] | None] = contextvars.ContextVar(
-    "jaxslice_nnx_paths", default=None
-)
-_IN_CALL: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "jaxslice_nnx_in_call", default=frozenset()
-)
+from ._patching import callable_classes, marked_calls
 
 
 def module_paths(model: Any) -> dict[int, tuple[str, ...]]:
@@ -58,74 +46,19 @@ def module_paths(model: Any) -> dict[int, tuple[str, ...]]:
 _PATH_ATTRIBUTE = "_jaxslice_path"
 
 
-def _wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        paths = _PATHS.get()
-        path = None
-        if paths is not None:
-            path = paths.get(id(self)) or self.__dict__.get(_PATH_ATTRIBUTE)
-        busy = _IN_CALL.get()
-        if not path or id(self) in busy:  # the root, a foreign module, or a super() call
-            return original(self, *args, **kwargs)
-        token = _IN_CALL.set(busy | {id(self)})
-        try:
-            record = new_record(
-                origin=Origin.MODULE, path=path, method="__call__", module_type=type(self).__name__
-            )
-            return call_marked(functools.partial(original, self), args, kwargs, record)
-        finally:
-            _IN_CALL.reset(token)
-
-    return __call__
-
-
-# Classes whose __call__ is wrapped: {class: [original in its __dict__ or None, users]}.
-_PATCHED: dict[type, list[Any]] = {}
-_PATCH_LOCK = threading.Lock()
-
-
-def _acquire(cls: type) -> None:
-    entry = _PATCHED.get(cls)
-    if entry is None:
-        original = cls.__dict__.get("__call__")
-        entry = _PATCHED[cls] = [original, 0]
-        cls.__call__ = _wrapper(original if original is not None else cls.__call__)
-    entry[1] += 1
-
-
-def _release(cls: type) -> None:
-    entry = _PATCHED[cls]
-    entry[1] -= 1
-    if entry[1] == 0:
-        del _PATCHED[cls]
-        if entry[0] is None:
-            del cls.__call__
-        else:
-            cls.__call__ = entry[0]
-
-
 @contextlib.contextmanager
-def marked_calls(model: Any) -> Iterator[None]:
+def _marked(model: Any) -> Iterator[None]:
     """Marks the calls of `model`'s submodules inside the block (this context only)."""
     from flax import nnx
 
     paths = module_paths(model)
     modules = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)]
-    classes = {type(node) for node in modules}
-    classes = {cls for cls in classes if callable(getattr(cls, "__call__", None))}  # noqa: B004
-    with _PATCH_LOCK:
-        for cls in classes:
-            _acquire(cls)
-    token = _PATHS.set(paths)
-    try:
-        with _tagged(modules, paths):
-            yield
-    finally:
-        _PATHS.reset(token)
-        with _PATCH_LOCK:
-            for cls in classes:
-                _release(cls)
+    with marked_calls(paths, callable_classes(modules), _tagged_path), _tagged(modules, paths):
+        yield
+
+
+def _tagged_path(module: Any) -> tuple[str, ...] | None:
+    return module.__dict__.get(_PATH_ATTRIBUTE)
 
 
 @contextlib.contextmanager
@@ -224,7 +157,7 @@ class NNXAdapter(Adapter):
         args, kwargs = call.args, call.kwargs
         before = _static_attributes(model)
         try:
-            with marked_calls(model):
+            with _marked(model):
                 out = model(*args, **kwargs)
         except StopTracing as stop:
             # Ending early: the state so far is what the slice may have updated.

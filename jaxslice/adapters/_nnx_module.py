@@ -17,10 +17,10 @@ from typing import Any
 from flax import nnx
 
 from .. import _compat
-from .._core.graph import innermost
 from .._core.view import ProgramView
 from .._errors import SliceError
 from ._nnx_state import get_value, set_value
+from ._parts import held_paths
 
 NOT_COPYABLE = (
     "An NNX slice shares the model's variables and holds compiled programs, so it cannot "
@@ -42,60 +42,8 @@ class _Static:
 
 def _held(root: Any, program: Any) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
     """The module paths (and loose variable paths) a slice must hold."""
-    plan = program.base.plan
     modules = [tuple(p) for p, node in nnx.iter_graph(root) if isinstance(node, nnx.Module)]
-    by_str = {_order(path): path for path in modules}
-    wanted = {by_str[path] for path in _running_modules(program) if path in by_str}
-    owned = [p for p in modules if p]
-    loose = []
-    for path in set(plan.variable_paths) | set(plan.state_paths):
-        owner = _owner(path, owned)
-        if owner is None:
-            loose.append(path)
-        else:
-            wanted.add(owner)
-    return _outermost(wanted), sorted(loose, key=_order)
-
-
-def _owner(path: tuple[Any, ...], modules: list[tuple[Any, ...]]) -> tuple[Any, ...] | None:
-    """The innermost of `modules` whose path prefixes `path`."""
-    return max((m for m in modules if path[: len(m)] == m), key=len, default=None)
-
-
-def _order(path: tuple[Any, ...]) -> tuple[str, ...]:
-    return tuple(map(str, path))
-
-
-def _outermost(paths: set[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """The non-empty paths not nested in another of them, sorted."""
-    parts = sorted((p for p in paths if p), key=_order)
-    return [p for p in parts if not any(q != p and p[: len(q)] == q for q in parts)]
-
-
-def _running_modules(program: Any) -> set[tuple[str, ...]]:
-    """Paths of the module calls a slice runs in.
-
-    The innermost module call around each equation of the slice runs it (and may read
-    flags such as `deterministic`). A call without equations in this mode (dropout in
-    eval mode) counts when the slice passes through it, so switching modes reaches it.
-    """
-    plan, graph = program.base.plan, program.base.traced.graph
-    calls = [c for c in graph.calls if c.loop is None]
-    owner = innermost(calls, len(graph.eqns))
-    found = {owner[i].path for i in plan.cut.eqns if owner[i] is not None}
-    made = _values(graph, plan.cut.eqns, "outs") | set(plan.input_ids)
-    read = _values(graph, plan.cut.eqns, "ins") | set(plan.output_ids)
-    empty = [c for c in calls if c.start == c.stop]
-    return found | {c.path for c in empty if _ids(c.in_slots) & made and _ids(c.out_slots) & read}
-
-
-def _values(graph: Any, eqns: Any, side: str) -> set[int]:
-    """The values equations `eqns` read (``"ins"``) or write (``"outs"``)."""
-    return {v for i in eqns for v in getattr(graph.eqns[i], side)}
-
-
-def _ids(slots: Any) -> set[int]:
-    return {s.id for s in slots if s.id is not None}
+    return held_paths(modules, program)
 
 
 class SlicedModule(ProgramView, nnx.Module):

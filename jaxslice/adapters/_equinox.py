@@ -1,0 +1,265 @@
+"""Equinox: `model(*inputs)`, where the model is an `eqx.Module` (a pytree).
+
+The model's arrays are its variables (`eqx.partition(model, eqx.is_array)`); everything
+else (static fields, activation functions, flags such as ``inference``) is structure,
+so it is part of every cache key. To trace, the variables are combined back into the
+model and the copy is called, with each submodule call marked explicitly
+(`_patching.marked_calls`): names are attribute paths joined by ``/`` (``layers/0``,
+``mlp/linear``), so the layers of an ``eqx.nn.Sequential`` and two calls of
+same-class layers back to back are distinct boundaries. Only ``__call__`` is marked.
+
+A slice is itself an `eqx.Module` (`EquinoxSlice`) that holds the model's own
+submodules it needs, so `eqx.filter_jit`, `eqx.filter_grad`, `eqx.partition` and optax
+work on it as on any Equinox model, ``eqx.nn.inference_mode(sub)`` switches it (a new
+structure is traced once), and ``sub.merge(model, trained_sub)`` puts trained parts
+back, as `eqx.tree_at` would. A trace keeps the model's structure only (its arrays as
+shapes), so a slice keeps alive just the parts it holds.
+
+Stateful layers work the Equinox way: an `eqx.nn.State` is an input like any other,
+and a layer's output is what it returns (``(y, state)`` for `eqx.nn.BatchNorm`).
+Equinox models compute one example per call: slice with one example and batch the
+slice with `jax.vmap` (or slice a wrapper module that vmaps inside, as layers with an
+``axis_name`` need). Sharp edge: a submodule rebuilt from its leaves inside the model
+(`eqx.filter_jit` or `eqx.filter_vmap` applied to a submodule, `eqx.combine` inside a
+`lax.scan` body) is a new object, so its calls belong to the enclosing boundary.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+import jax
+
+from .._caches import LRU
+from .._errors import SliceError, UnsupportedTargetError
+from .._trees import abstract_tree, is_traced_leaf, path_str, tree_key
+from ._base import Adapter, Split, count_by_prefix, keywords_of, leaf_sizes, split_kwargs
+from ._parts import held_paths
+from ._patching import callable_classes, marked_calls
+
+WRAPPED_MODEL = (
+    "This function wraps an Equinox model ({kind}), so jaxslice cannot see the model's "
+    "parameters: they would be traced as constants. Slice the model itself on one "
+    "example and batch the slice: `sub = js.slice(model, x[0], end=...)`, then "
+    "`jax.vmap(sub)(x)`. For layers that need a batch axis name (BatchNorm), slice a "
+    "module that vmaps inside, e.g. `eqx.filter_vmap(model, axis_name='batch')`."
+)
+EDIT_REFUSAL = (
+    "js.edit does not support Equinox models: edit one with `eqx.tree_at` (e.g. "
+    "`eqx.tree_at(lambda m: m.head, model, eqx.nn.Sequential([model.head, adapter]))`), "
+    "then slice it with js.slice."
+)
+NOT_HELD = (
+    "The slice reads variables it does not hold: {paths}. Its parts were replaced by "
+    "modules of another structure; slice the changed model again."
+)
+OTHER_SLICE = (
+    "`trained` is not a slice with the same parts as this one (at {paths}); pass the "
+    "slice you trained, e.g. `sub.merge(model, trained_sub)`."
+)
+
+
+def _is_module(x: Any) -> bool:
+    import equinox as eqx
+
+    return isinstance(x, eqx.Module)
+
+
+def _wrapped_module(target: Any) -> Any:
+    """The Equinox model a function made by `jax.vmap`/`jax.jit`/`functools.wraps` wraps."""
+    seen = 0
+    while seen < 16 and not _is_module(target) and hasattr(target, "__wrapped__"):
+        target, seen = target.__wrapped__, seen + 1
+    return target if _is_module(target) else None
+
+
+def modules_of(model: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
+    """``[(key path, module)]`` of `model` and every module inside it, outermost first."""
+    found = [(path, model)]
+    children = jax.tree_util.tree_flatten_with_path(
+        model, is_leaf=lambda x: x is not model and _is_module(x)
+    )[0]
+    for key, child in children:
+        if child is not model and _is_module(child):
+            found += modules_of(child, path + tuple(key))
+    return found
+
+
+def _names(path: tuple[Any, ...]) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "name", getattr(k, "idx", getattr(k, "key", k)))) for k in path)
+
+
+def node_at(tree: Any, path: tuple[Any, ...]) -> Any:
+    """The node of `tree` at a key path (attributes, indices and dict keys)."""
+    for key in path:
+        if isinstance(key, jax.tree_util.GetAttrKey):
+            tree = getattr(tree, key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            tree = tree[key.idx]
+        else:
+            tree = tree[getattr(key, "key", key)]
+    return tree
+
+
+class EquinoxAdapter(Adapter):
+    model_class = ("equinox", "Module")
+
+    @classmethod
+    def accepts(cls, target: Any) -> bool:
+        return super().accepts(target) or (
+            callable(target) and "equinox" in sys.modules and _wrapped_module(target) is not None
+        )
+
+    def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
+        import equinox as eqx
+
+        if not _is_module(target):
+            kind = type(_wrapped_module(target)).__name__
+            raise UnsupportedTargetError(WRAPPED_MODEL.format(kind=kind))
+        variables = eqx.filter(target, is_traced_leaf)  # arrays, or their shapes
+        inputs, mode = split_kwargs(kwargs)
+        return Split(variables=variables, rngs=None, args=tuple(args), kwargs=inputs, mode=mode)
+
+    def skeleton(self, target: Any) -> Any:
+        return abstract_tree(target)
+
+    def call(self, target: Any, call: Split) -> tuple[Any, Any]:
+        import equinox as eqx
+
+        model = eqx.combine(call.variables, target)
+        found = modules_of(model)
+        paths = {id(m): _names(p) for p, m in found if p}
+        with marked_calls(paths, callable_classes(m for _, m in found)):
+            return model(*call.args, **call.kwargs), None
+
+    def structure_key(self, target: Any) -> Any:
+        return tree_key(target)
+
+    def can_stop_early(self, split: Split) -> bool:
+        return True
+
+    def accepted_keywords(self, target: Any) -> set[str] | None:
+        names = keywords_of(type(target).__call__)
+        return None if names is None else names - {"self"}
+
+    def parameter_counts(self, variables: Any) -> dict[str, int]:
+        return count_by_prefix(leaf_sizes(variables))
+
+    def own_parameter_modules(self, variables: Any) -> set[tuple[str, ...]] | None:
+        modules = [_names(p) for p, _ in modules_of(variables)]
+        owners = set()
+        for path in leaf_sizes(variables):
+            owners.add(max((m for m in modules if path[: len(m)] == m), key=len))
+        return owners
+
+    def slice_view(self, target: Any, program: Any) -> Any:
+        return _slice_class()(target, program)
+
+    def edit_refusal(self) -> str | None:
+        return EDIT_REFUSAL
+
+
+class _Programs:
+    """A slice's programs, one per structure of its parts (hashed by identity, so it can
+    be a static field: every copy of a slice shares it)."""
+
+    def __init__(self, program: Any, paths: tuple[tuple[Any, ...], ...], parts: Any):
+        self.base = program
+        self.paths = paths
+        self.others = LRU(8)
+        self.structure = tree_key(parts)
+
+    def for_parts(self, parts: Any) -> Any:
+        """The program for parts of this structure (traced once per new structure)."""
+        key = tree_key(parts)
+        if key == self.structure:
+            return self.base
+        program = self.others.get(key)
+        if program is None:
+            program = self._retraced(parts)
+            self.others.put(key, program)
+        return program
+
+    def _retraced(self, parts: Any) -> Any:
+        import equinox as eqx
+
+        base = self.base
+        model = eqx.tree_at(
+            lambda m: [node_at(m, p) for p in self.paths],
+            base.target,
+            [abstract_tree(p) for p in parts],
+        )
+        split = base.base.traced.split
+        args = abstract_tree(split.args)
+        kwargs = {**abstract_tree(split.kwargs), **split.mode}
+        return type(base).build(model, args, kwargs, base.start, base.end)
+
+
+@functools.cache
+def _slice_class() -> type:
+    """`EquinoxSlice`, defined once Equinox is imported (jaxslice does not import it)."""
+    import equinox as eqx
+
+    from .._core.view import ProgramView
+
+    class EquinoxSlice(ProgramView, eqx.Module):
+        """A slice of an Equinox model, itself an `eqx.Module` holding the model's parts.
+
+        ``sub(*inputs)`` runs only the slice. `parts` are the model's own submodules the
+        slice runs (and arrays the root holds directly), at `paths` in the model.
+        """
+
+        parts: tuple[Any, ...]
+        programs: _Programs = eqx.field(static=True)
+
+        def __init__(self, model: Any, program: Any):
+            modules = [p for p, _ in modules_of(model)]
+            part_paths, loose_paths = held_paths(modules, program)
+            paths = tuple(part_paths) + tuple(loose_paths)
+            self.parts = tuple(node_at(model, p) for p in paths)
+            self.programs = _Programs(program, paths, abstract_tree(self.parts))
+
+        def _slice_program(self) -> Any:
+            return self.programs.base
+
+        @property
+        def paths(self) -> tuple[str, ...]:
+            """Where each of `parts` sits in the model (``layers/0``)."""
+            return tuple("/".join(_names(p)) for p in self.programs.paths)
+
+        def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+            program = self.programs.for_parts(self.parts)
+            entry, leaves = program.lookup(inputs, kwargs, None, False)
+            flat = _flat_parts(self.programs.paths, self.parts)
+            missing = [p for p in entry.plan.variable_paths if p not in flat]
+            if missing:
+                raise SliceError(NOT_HELD.format(paths=", ".join(map(path_str, missing[:6]))))
+            values = [flat[p] for p in entry.plan.variable_paths]
+            return program.run(entry, values, [], leaves, False)
+
+        def merge(self, model: Any, trained: Any) -> Any:
+            """`model` with the parts this slice holds replaced by `trained`'s parts.
+
+            Every other leaf of `model` is the same object; `trained` is this slice after
+            training (any slice with the same parts).
+            """
+            paths = self.programs.paths
+            if not isinstance(trained, EquinoxSlice) or trained.programs.paths != paths:
+                raise SliceError(OTHER_SLICE.format(paths=", ".join(self.paths)))
+            return eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, list(trained.parts))
+
+        def __repr__(self) -> str:
+            return f"EquinoxSlice(start={self.start!r}, end={self.end!r}, parts={self.paths})"
+
+    return EquinoxSlice
+
+
+def _flat_parts(paths: Any, parts: Any) -> dict[tuple[Any, ...], Any]:
+    """``{variable path in the model: leaf}`` of the held parts."""
+    flat = {}
+    for prefix, part in zip(paths, parts, strict=True):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(part)[0]:
+            flat[prefix + tuple(path)] = leaf
+    return flat
