@@ -118,7 +118,9 @@ def main(quick: bool = False) -> None:
     same = jax.tree.leaves(eqx.filter(tuned.features, eqx.is_array))
     original = jax.tree.leaves(eqx.filter(model.features, eqx.is_array))
     assert all(a is b for a, b in zip(same, original, strict=True))
-    print(f"the feature extractor's arrays are the same objects; {time.perf_counter() - began:.1f} s")
+    print(
+        f"the feature extractor's arrays are the same objects; {time.perf_counter() - began:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from ._core.markers import INPUT, OUTPUT, Origin, is_marking, mark_side, new_rec
 from ._core.names import Resolver, parse
 from ._core.program import SliceProgram
 from ._core.trace import Traced, trace
+from ._core.view import DrawsInline
 from ._errors import InvalidSpecError, SliceError, UnsupportedTargetError
 from ._slice import view
 from ._table import BoundaryTable, describe
@@ -146,8 +147,11 @@ class _Base:
         return self.program.base.traced.split
 
 
-class Editor:
-    """A graph-editing session over a model (a tuple of edit records); see `js.edit`."""
+class Editor(DrawsInline):
+    """A graph-editing session over a model (a tuple of edit records); see `js.edit`.
+
+    In a notebook it shows as its drawing (`to_dot`).
+    """
 
     def __init__(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]):
         refusal = adapter_for(target).edit_refusal()
@@ -301,6 +305,9 @@ class Editor:
         for attrs in dag.graph.get("containers", {}).values():
             attrs["in_slice"] = True
         return dag
+
+    def _drawing_program(self) -> SliceProgram:
+        return self._base.program  # the model before editing: close enough to pick a depth
 
     def to_dot(self, depth: int | None = None, annotations: dict[str, Any] | None = None) -> str:
         """DOT source of the edited model with the edited nodes highlighted."""

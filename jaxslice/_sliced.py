@@ -109,15 +109,20 @@ class Sliced(ProgramView):
         """The slice as a `jax.export.Exported`, with a symbolic batch size.
 
         Args:
-          batch: the name of a symbolic leading (batch) dimension for every input, or
-            None to export at the traced shapes.
+          batch: the name of a symbolic leading (batch) dimension for every input that
+            has axes (scalars keep their shape), or None to export at the traced shapes.
           variables_as_input: export ``fn(variables, *inputs)`` instead of ``fn(*inputs)``
             with ``sub.variables`` built into the program as constants.
           platforms: as for `jax.export.export` (default: the current platform).
 
         Returns:
-          A `jax.export.Exported`; call it (``exported.call(x)``), or serialise it
-          (``exported.serialize()``) to run it without Python.
+          A `jax.export.Exported` of the slice in the mode it was made with; call it
+          (``exported.call(x)``), or serialise it (``exported.serialize()``) to run it
+          without Python.
+
+        Raises:
+          SliceError: if the slice draws random numbers or updates state in its mode
+            (export it in evaluation mode), or an input holds leaves the trace fixed.
 
         >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxslice as js
         >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
@@ -128,13 +133,21 @@ class Sliced(ProgramView):
         >>> head.export(variables_as_input=True).call(head.variables, jnp.ones((2, 4))).shape
         (2, 2)
         """
+        program = self._program
+        program.check_exportable()
         dim = jax.export.symbolic_shape(batch)[0] if batch is not None else None
-        args, kwargs = self._program.input_specs(dim)
+        args, kwargs = program.input_specs(dim)
+        # The slice reads no random keys, but re-tracing the model at the symbolic batch
+        # size runs the whole model, whose other modules may need the keys it was sliced with.
+        rngs = program.sample_rngs
+
+        def run(variables: Any, *inputs: Any, **kw: Any) -> Any:
+            return self.apply(variables, *inputs, rngs=rngs, **kw)
+
         if variables_as_input:
-            fn = lambda variables, *inputs, **kw: self.apply(variables, *inputs, **kw)  # noqa: E731
-            args = [abstract_tree(self.variables), *args]
+            fn, args = run, [abstract_tree(self.variables), *args]
         else:
-            fn = lambda *inputs, **kw: self.apply(self.variables, *inputs, **kw)  # noqa: E731
+            fn = lambda *inputs, **kw: run(self.variables, *inputs, **kw)  # noqa: E731
         return jax.export.export(jax.jit(fn), platforms=platforms)(*args, **kwargs)
 
     def __repr__(self) -> str:

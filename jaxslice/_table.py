@@ -2,13 +2,19 @@
 
 `describe` reads a traced model's graph: each call's array inputs and outputs (none for
 calls inside loops, which cannot be sliced at) and the parameters it holds (by module
-path for modules, by the parameter values its equations read otherwise). `format_rows`
-lays rows of cells out as aligned columns; coverage results print with it too.
+path for modules, by the parameter values its equations read otherwise).
+
+Every table jaxslice shows (this one, coverage results, activation statistics) is a list
+of rows of cells, header first, written once by its class (`PrintsAsTable`) and laid out
+by one of two printers: `format_rows` (aligned text, for `print`) and `html_rows` (an
+HTML ``<table>``, for notebooks). Both show the same cells.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import html
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,12 +54,33 @@ class Boundary:
     iterations: int | None = None
 
 
-class BoundaryTable(list):
-    """A list of `Boundary` that prints as a table."""
+class PrintsAsTable:
+    """Mixin for results that print as a table and show as one in notebooks.
+
+    A subclass lists its rows of cells, header first, in `_table_rows`; `str` lays them
+    out as text (`format_rows`) and Jupyter shows them as HTML (`html_rows`).
+    """
+
+    def _table_rows(self) -> list[Sequence[str]]:
+        raise NotImplementedError
 
     def __str__(self) -> str:
+        return format_rows(self._table_rows())
+
+    def _repr_html_(self) -> str | None:
+        # A notebook shows a traceback for a repr that raises; without HTML it prints text.
+        try:
+            return html_rows(self._table_rows())
+        except Exception:
+            return None
+
+
+class BoundaryTable(PrintsAsTable, list):
+    """A list of `Boundary` that prints as a table (and shows as one in notebooks)."""
+
+    def _table_rows(self) -> list[Sequence[str]]:
         header = ("name", "type", "call", "inputs", "outputs", "params")
-        return format_rows([header, *(_cells(b) for b in self)])
+        return [header, *(_cells(b) for b in self)]
 
     def names(self) -> list[str]:
         return [b.name for b in self]
@@ -74,6 +101,49 @@ def format_rows(rows: Sequence[Sequence[str]]) -> str:
 
 def _aligned(row: Sequence[str], widths: list[int]) -> str:
     return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+
+
+# A number as the tables write them: ``1,234``, ``0.8333``, ``-1e-05``, ``inf``, ``nan``.
+_NUMBER = re.compile(r"[-+]?(\d[\d,]*(\.\d*)?|\.\d+)([eE][-+]?\d+)?%?|[-+]?(inf|nan)")
+_BLANK = ("", "-")
+
+
+def _is_numeric(column: Sequence[str]) -> bool:
+    """Whether every cell of a column that is not blank is a number (and one is)."""
+    filled = [c for c in column if c not in _BLANK]
+    return bool(filled) and all(_NUMBER.fullmatch(c) for c in filled)
+
+
+def _html_row(tag: str, row: Sequence[str], numeric: Sequence[bool]) -> str:
+    # Explicit alignment both ways: notebook styles right-align every cell by default.
+    aligns = ("right" if n else "left" for n in numeric)
+    cells = (
+        f'<{tag} style="text-align: {a}">{html.escape(c)}</{tag}>'
+        for c, a in zip(row, aligns, strict=True)
+    )
+    return "<tr>" + "".join(cells) + "</tr>"
+
+
+def html_rows(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of cells as an HTML table: the first row is the header, numbers align right.
+
+    Cells are escaped; a column is numeric when all its filled body cells are numbers.
+
+    >>> print(html_rows([("name",), ("a<b",)]))
+    <table>
+    <thead><tr><th style="text-align: left">name</th></tr></thead>
+    <tbody>
+    <tr><td style="text-align: left">a&lt;b</td></tr>
+    </tbody>
+    </table>
+    >>> "right" in html_rows([("n",), ("1,024",)])
+    True
+    """
+    columns = list(zip(*rows[1:], strict=True)) or [()] * len(rows[0])
+    numeric = [_is_numeric(column) for column in columns]
+    body = [_html_row("td", row, numeric) for row in rows[1:]]
+    head = f"<thead>{_html_row('th', rows[0], numeric)}</thead>"
+    return "\n".join(["<table>", head, "<tbody>", *body, "</tbody>", "</table>"])
 
 
 def _cells(b: Boundary) -> tuple[str, ...]:

@@ -290,3 +290,14 @@ def test_clear_errors():
         js.slice(model, X, end="layer/1")
     with pytest.raises(js.SliceError, match="eqx.tree_at"):
         js.edit(model, X)
+
+
+def test_a_batched_slice_exports_with_a_symbolic_batch():
+    model = conv_stack()
+    sub = js.slice(model, X, end="layers/1")
+    (b,) = jax.export.symbolic_shape("b")
+    spec = jax.ShapeDtypeStruct((b, *X.shape), X.dtype)
+    exported = jax.export.export(jax.jit(jax.vmap(sub)))(spec)
+    xs = jax.random.normal(KEYS[6], (3, *X.shape))
+    want = jax.vmap(lambda x: model.layers[1](model.layers[0](x)))(xs)
+    close(exported.call(xs), want)

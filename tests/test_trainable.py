@@ -702,3 +702,27 @@ def test_missing_rngs_for_dropout_in_train_mode(head, h):
         head.variables, h, train=True, rngs={"dropout": jax.random.key(0)}, mutable=["batch_stats"]
     )
     assert out.shape == OUT_SHAPE
+
+
+def test_a_slice_that_stops_tracing_early_still_sees_unasked_state_updates():
+    """A retry with wider `mutable` (the model updates state nobody asked for) must trace
+    up to the state updates even when the name's call count allows stopping early."""
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            h = nn.BatchNorm(use_running_average=not train, name="bn")(nn.Dense(4, name="a")(x))
+            return nn.Dense(2, name="head")(h)
+
+    model, x = Net(), jnp.arange(8.0).reshape(2, 4)
+    variables = model.init(jax.random.key(0), x)
+    js.boundaries(model, variables, x, train=True)  # the call counts allow stopping early
+    sub = js.slice(model, variables, x, end="bn", train=True)
+    with pytest.raises(js.SliceError, match="mutable=\\['batch_stats'\\]"):
+        sub(x)
+    asked = js.slice(model, variables, x, end="bn", train=True, mutable=["batch_stats"])
+    _, updates = asked(x, mutable=["batch_stats"])
+    _, want = model.apply(variables, x, train=True, mutable=["batch_stats"])
+    np.testing.assert_allclose(
+        updates["batch_stats"]["bn"]["mean"], want["batch_stats"]["bn"]["mean"]
+    )

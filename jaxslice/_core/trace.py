@@ -230,7 +230,8 @@ def _trace_once(adapter: Adapter, target: Any, split: Split, mutable: Any, stop_
 
     def program(var_a: list[Any], rng_a: list[Any], in_a: list[Any]) -> Any:
         call_args, call_kwargs = inputs.rebuild(in_a)
-        rule = stop_rule(adapter, target, split, stop_at)
+        # A retry with wider `mutable` must not stop before the state comes back.
+        rule = stop_rule(adapter, target, dataclasses.replace(split, mutable=mutable), stop_at)
         try:
             with markers.marking(rule) as info["failed"]:
                 call = Split(

@@ -13,11 +13,33 @@ from typing import Any
 from .._trees import path_str
 
 
-class ProgramView:
+class DrawsInline:
+    """Mixin for objects with ``to_dot(depth)``: notebooks show them as that drawing.
+
+    A subclass says which `SliceProgram`'s model it draws in `_drawing_program` (None:
+    every level is drawn, however many calls it has).
+    """
+
+    def _drawing_program(self) -> Any:
+        return None
+
+    def _repr_mimebundle_(
+        self, include: Any = None, exclude: Any = None, **kwargs: Any
+    ) -> dict[str, str]:
+        """SVG of `to_dot` and the text repr; the text and a note when `dot` is missing."""
+        from ..render import drawing_bundle
+
+        return drawing_bundle(self, include, exclude)
+
+
+class ProgramView(DrawsInline):
     """Mixin for objects that are views of one `SliceProgram`."""
 
     def _slice_program(self) -> Any:
         raise NotImplementedError
+
+    def _drawing_program(self) -> Any:
+        return self._slice_program()
 
     @property
     def start(self) -> Any:

@@ -21,7 +21,7 @@ import jax
 
 from .. import _compat
 from .._errors import InvalidSpecError, SliceError
-from .._table import format_rows
+from .._table import PrintsAsTable
 from ..observe import GRANULARITIES, Moments, Observer, neurons, scaled
 from ._criteria import KMNC, NBC, NC, SNAC, TKNC, Criterion
 
@@ -33,15 +33,16 @@ PROFILE_NEEDED = (
 )
 
 
-class CoverageResult(dict):
-    """``{criterion: {"total": float, "layers": {key: float}}}``; prints as a table."""
+class CoverageResult(PrintsAsTable, dict):
+    """``{criterion: {"total": float, "layers": {key: float}}}``; prints as a table (and
+    shows as one in notebooks), figures to 4 decimals."""
 
-    def __str__(self) -> str:
+    def _table_rows(self) -> list[tuple[str, ...]]:
         rows = [("criterion", "layer", "coverage")]
         for crit, res in self.items():
             rows.append((crit, "(total)", f"{res['total']:.4f}"))
             rows += [("", key, f"{value:.4f}") for key, value in res["layers"].items()]
-        return format_rows(rows)
+        return rows
 
 
 class Tracker:

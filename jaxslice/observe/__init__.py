@@ -5,10 +5,19 @@ feeds their outputs to an accumulator; `ActivationStats` (and `js.coverage`) bui
 """
 
 from ._activations import ActivationStats as ActivationStats
+from ._activations import StatsResult as StatsResult
 from ._moments import Moments as Moments
 from ._observer import GRANULARITIES as GRANULARITIES
 from ._observer import Observer as Observer
 from ._observer import neurons as neurons
 from ._observer import scaled as scaled
 
-__all__ = ["GRANULARITIES", "ActivationStats", "Moments", "Observer", "neurons", "scaled"]
+__all__ = [
+    "GRANULARITIES",
+    "ActivationStats",
+    "Moments",
+    "Observer",
+    "StatsResult",
+    "neurons",
+    "scaled",
+]

@@ -6,13 +6,57 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from .. import _compat
 from .._errors import InvalidSpecError
+from .._table import PrintsAsTable
 from ._moments import Moments
 from ._observer import Observer
 
 PER = ("tensor", "channel")
+STATS = ("mean", "std", "min", "max", "zero_fraction")
+
+
+class StatsResult(PrintsAsTable, dict):
+    """``{name: {"mean", "std", "min", "max", "zero_fraction", "count"}}``; prints as a
+    table (and shows as one in notebooks), one row per boundary, figures to 4 digits.
+
+    With ``per="channel"`` the values are per-channel arrays, and the table sums each
+    boundary up over its channels: the mean, zero fraction, min and max of all its
+    values, their standard deviation (pooled exactly from the channels'), and the number
+    of channels; ``count`` is the number of values per channel.
+    """
+
+    def _table_rows(self) -> list[tuple[str, ...]]:
+        per_channel = any(np.ndim(s["mean"]) for s in self.values())
+        header = ("name", *(k.replace("_", " ") for k in STATS), "count")
+        rows = [header + (("channels",) if per_channel else ())]
+        return rows + [_row(name, stats, per_channel) for name, stats in self.items()]
+
+
+def _row(name: str, stats: dict[str, Any], per_channel: bool) -> tuple[str, ...]:
+    if not per_channel:
+        return (name, *_cells(stats, stats["count"]))
+    return (name, *_cells(_over_channels(stats), stats["count"]), f"{np.size(stats['mean']):,}")
+
+
+def _cells(figures: dict[str, Any], count: float) -> list[str]:
+    return [f"{figures[k]:.4g}" for k in STATS] + [f"{int(count):,}"]
+
+
+def _over_channels(stats: dict[str, Any]) -> dict[str, float]:
+    """A boundary's figures over all its channels (each channel has the same count)."""
+    means = np.asarray(stats["mean"], np.float64)
+    mean = means.mean()
+    variance = np.mean(np.asarray(stats["std"], np.float64) ** 2 + (means - mean) ** 2)
+    return {
+        "mean": float(mean),
+        "std": float(np.sqrt(variance)),
+        "min": float(np.min(stats["min"])),
+        "max": float(np.max(stats["max"])),
+        "zero_fraction": float(np.mean(stats["zero_fraction"])),
+    }
 
 
 class ActivationStats:
@@ -74,9 +118,10 @@ class ActivationStats:
 
         return step
 
-    def result(self) -> dict[str, dict[str, Any]]:
-        """``{name: {"mean", "std", "min", "max", "zero_fraction", "count"}}``."""
-        out = {}
+    def result(self) -> StatsResult:
+        """``{name: {"mean", "std", "min", "max", "zero_fraction", "count"}}`` (a dict that
+        prints as a table)."""
+        out = StatsResult()
         for name, m in zip(self.names, self._acc, strict=True):
             count = float(m.count)
             conv = float if self.per == "tensor" else (lambda a: a)

@@ -19,6 +19,11 @@ NO_DOT = (
     "`conda install graphviz`. `to_dot()` gives the DOT source without it."
 )
 
+DOT_TIMEOUT = (
+    "`dot` took more than {seconds:g} s to lay the graph out. Draw fewer levels with "
+    "`to_dot(depth=1)`, or render to a file with `render(path)`."
+)
+
 _IN, _OUT = "#dbe9ff", "#f2f2f2"
 
 
@@ -194,3 +199,30 @@ def render_dot(source: str, path: str | os.PathLike[str], *, format: str | None 
     if done.returncode != 0:
         raise SliceError(f"`dot` failed to render {path!r}: {done.stderr.strip()}")
     return path
+
+
+def dot_svg(source: str, *, timeout: float | None = None) -> str:
+    """`source` rendered to SVG by Graphviz's `dot` program, as text (nothing is written).
+
+    Args:
+      source: DOT source, as `to_dot` gives it.
+      timeout: seconds `dot` may take; None waits for it.
+
+    Raises:
+      SliceError: when `dot` is not on PATH (with how to install it), fails, or takes
+        longer than `timeout`.
+    """
+    exe = _dot_program()
+    try:
+        done = subprocess.run(
+            [exe, "-Tsvg"],
+            input=source,
+            capture_output=True,
+            encoding="utf-8",
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as error:
+        raise SliceError(DOT_TIMEOUT.format(seconds=timeout)) from error
+    if done.returncode != 0:
+        raise SliceError(f"`dot` failed to draw SVG: {done.stderr.strip()}")
+    return done.stdout

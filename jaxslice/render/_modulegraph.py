@@ -94,6 +94,18 @@ def _shown(call: Call, depth: int | None) -> bool:
     return call.loop is None and (depth is None or _depth(call) <= depth)
 
 
+def fitting_depth(graph: Graph, max_calls: int) -> int | None:
+    """The deepest `depth` at which the DAG shows at most `max_calls` calls (nodes and
+    clusters): None when every call fits, else at least 1 (a model with more top-level
+    calls than that shows them all). Cheap: it counts calls by path depth, where laying
+    the DAG out costs time quadratic in the calls shown.
+    """
+    depths = sorted(_depth(c) for c in graph.calls if c.loop is None)
+    if len(depths) <= max_calls:
+        return None
+    return max(1, depths[max_calls] - 1)
+
+
 @dataclasses.dataclass
 class _Layout:
     """The calls shown, the call around each (by qualified name) and the containers."""
