@@ -239,3 +239,28 @@ def test_shipping_a_feature_extractor_with_orbax(net, tmp_path):
         xn = _x(n, seed=8)
         want = captured(model, variables, xn)["b2"][0]
         assert_trees_all_close(loaded.call(restored, xn), want)
+
+
+def test_an_nnx_slice_exports_in_its_current_mode_with_its_variables_built_in():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 8, rngs=rngs)
+            self.bn = nnx.BatchNorm(8, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.head = nnx.Linear(8, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.drop(jax.nn.relu(self.bn(self.lin(x)))))
+
+    model = Net(nnx.Rngs(0))
+    x = random_input(0, (3, 4))
+    sub = js.slice(model, x, end="drop")
+    with pytest.raises(js.SliceError, match="sub.eval"):
+        sub.export()  # train mode: batch statistics and dropout counters change
+    sub.eval()
+    received = jax.export.deserialize(sub.export().serialize())
+    xs = random_input(3, (7, 4))
+    # The oracle: the model's own submodules, called eagerly in eval mode.
+    assert_trees_all_close(received.call(xs), jax.nn.relu(model.bn(model.lin(xs))))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 from flax import nnx
 
 from .. import _compat
@@ -22,6 +23,12 @@ from .._errors import SliceError
 from ._nnx_state import get_value, set_value
 from ._parts import held_paths
 
+NOT_EXPORTABLE = (
+    "In its current mode this slice updates {names} (batch statistics, random-number "
+    "counters), and an exported program returns only the slice's outputs. Switch it to "
+    "evaluation mode first: `sub.eval()` (it switches the model's own submodules; "
+    "`sub.train()` switches them back)."
+)
 NOT_COPYABLE = (
     "An NNX slice shares the model's variables and holds compiled programs, so it cannot "
     "be pickled or deep-copied. Save the model's state instead (`nnx.state(model)`, e.g. "
@@ -85,6 +92,32 @@ class SlicedModule(ProgramView, nnx.Module):
 
     def __deepcopy__(self, memo: Any) -> Any:
         raise SliceError(NOT_COPYABLE)
+
+    def export(self, *, batch: str | None = "b", platforms: Any = None) -> Any:
+        """The slice as a `jax.export.Exported` with a symbolic batch size, in its current
+        mode, with the current values of its variables built in.
+
+        Args:
+          batch: the name of a symbolic leading (batch) dimension for every input that
+            has axes, or None to export at the traced shapes.
+          platforms: as for `jax.export.export` (default: the current platform).
+
+        Raises:
+          SliceError: if the slice updates state in its current mode (train mode with
+            batch statistics or dropout): call ``sub.eval()`` first.
+        """
+        program = self._jaxslice.program
+
+        def run(*inputs: Any, **kw: Any) -> Any:
+            entry, _ = program.lookup(inputs, kw, None, True)
+            if entry.plan.state_paths:  # written back by a call: not a pure function
+                names = sorted({"/".join(map(str, p)) for p in entry.plan.state_paths})
+                raise SliceError(NOT_EXPORTABLE.format(names=names[:6]))
+            return self(*inputs, **kw)
+
+        dim = jax.export.symbolic_shape(batch)[0] if batch is not None else None
+        args, kwargs = program.input_specs(dim)
+        return jax.export.export(jax.jit(run), platforms=platforms)(*args, **kwargs)
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         program = self._jaxslice.program
