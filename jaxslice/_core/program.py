@@ -225,6 +225,7 @@ class SliceProgram:
 
     def _input_leaves(self, inputs: tuple[Any, ...], kw_inputs: dict[str, Any]) -> list[Any]:
         arguments = self.base.plan.arguments
+        inputs = self._like_the_model(inputs)
         _check_arity(arguments, inputs)
         given = iter(inputs)
         leaves: list[Any] = []
@@ -238,6 +239,21 @@ class SliceProgram:
                     f"Missing keyword input {arg.keyword!r} ({arg.describe()})."
                 )
         return leaves
+
+    def _like_the_model(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The array arguments of a slice from the model's inputs called as the model is
+        (every positional argument, ``None`` and flags included), once the others are
+        checked to be what the trace fixed; other calls' inputs, unchanged."""
+        traced = self.base.traced.split.args
+        taken = [a.position for a in self.base.plan.arguments if a.keyword is None]
+        if self.base.plan.starts is not None or len(inputs) in (len(taken), 0):
+            return inputs
+        if len(inputs) != len(traced):
+            return inputs  # `_check_arity` says what the slice takes
+        for i, (given, fixed) in enumerate(zip(inputs, traced, strict=True)):
+            if i not in taken and tree_key(given) != tree_key(fixed):
+                raise InputMismatchError(FIXED_ARGUMENT.format(i=i, fixed=fixed, given=given))
+        return tuple(inputs[i] for i in taken)
 
     def _traced_avals(self, entry: Entry) -> tuple[jax.ShapeDtypeStruct, ...]:
         return _avals(entry, entry.plan.input_ids)
@@ -425,6 +441,11 @@ FIXED_LEAVES = (
     "The slice's input {arg} holds leaves fixed by the trace (non-arrays or parameters), "
     "which an exported function cannot take; export a slice whose inputs are arrays, e.g. "
     "start at an ':output' port."
+)
+FIXED_ARGUMENT = (
+    "The model's positional argument {i} holds no arrays, so the trace fixed it to "
+    "{fixed!r}; this call passes {given!r}. Slice the model again with that value (a "
+    "slice takes the model's array arguments; non-array ones are part of its trace)."
 )
 EXPORT_RNGS = (
     "In its mode {mode} this slice draws random numbers (it reads the keys passed as "

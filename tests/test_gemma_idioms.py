@@ -1,10 +1,13 @@
-"""Linen modules that share a scope (`nn.share_scope`), and helper methods.
+"""Idioms of the `gemma` library's linen models: shared scopes, helper methods, and
+positional arguments that hold no arrays.
 
 gemma's feed-forward layer keeps its two einsums' weights directly under its own scope;
 a LoRA wrapper adopts the scope of the Dense it wraps. Each call is still its own
 boundary, named by where the module sits in the module tree. Helper methods that take
 and return no arrays (building a submodule, reading a flag) are no boundaries.
-Oracles: the same weights applied with `jnp.einsum` / `Dense.apply` by hand.
+A block called as ``block(x, positions, None, mask)`` (no KV cache) is sliced and read
+with the same arguments. Oracles: the same weights applied with `jnp.einsum` /
+`Dense.apply` by hand.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxslice as js
 
@@ -101,3 +105,31 @@ def test_a_wrapper_that_adopts_a_layers_scope_is_named_by_its_own_name():
     got = js.intermediates(model, variables, X)
     np.testing.assert_allclose(got["Dense_0"], base, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got["LoRA_0"], base + X @ p["A"] @ p["B"], rtol=1e-5, atol=1e-5)
+
+
+class CachedBlock(nn.Module):
+    """gemma's block signature: ``(x, positions, cache, mask)`` with ``cache=None``."""
+
+    @nn.compact
+    def __call__(self, x, positions, cache, mask):
+        h = nn.Dense(4, name="attn")(x) * mask[..., None] + positions[..., None]
+        if cache is not None:
+            h = h + cache
+        return nn.Dense(4, name="mlp")(h)
+
+
+def test_a_model_with_a_none_argument_is_called_as_the_model_is():
+    model = CachedBlock()
+    pos, mask = jnp.arange(3.0), jnp.array([1.0, 0.0, 1.0])
+    variables = model.init(jax.random.key(0), X, pos, None, mask)
+    p = variables["params"]
+    attn = X @ p["attn"]["kernel"] + p["attn"]["bias"]
+    out = (attn * mask[:, None] + pos[:, None]) @ p["mlp"]["kernel"] + p["mlp"]["bias"]
+    got = js.intermediates(model, variables, X, pos, None, mask, names=["attn"])
+    np.testing.assert_allclose(got["attn"], attn, rtol=1e-5, atol=1e-5)
+    sub = js.slice(model, variables, X, pos, None, mask, end=["attn", None])
+    for result in (sub(X, pos, None, mask), sub(X, pos, mask)):  # as the model, or arrays only
+        np.testing.assert_allclose(result[0], attn, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(result[1], out, rtol=1e-5, atol=1e-5)
+    with pytest.raises(js.SliceError, match="argument 2 holds no arrays"):
+        sub(X, pos, 0.5, mask)  # another value than the trace fixed: never ignored
