@@ -301,3 +301,11 @@ def test_a_batched_slice_exports_with_a_symbolic_batch():
     xs = jax.random.normal(KEYS[6], (3, *X.shape))
     want = jax.vmap(lambda x: model.layers[1](model.layers[0](x)))(xs)
     close(exported.call(xs), want)
+
+
+def test_merge_refuses_trained_parts_of_another_shape_or_dtype():
+    model = conv_stack()
+    head = js.slice(model, X, start="layers/2")
+    cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, head)
+    with pytest.raises(js.VariablesMismatchError, match="bfloat16"):
+        head.merge(model, cast)

@@ -33,8 +33,15 @@ from typing import Any
 import jax
 
 from .._caches import LRU
-from .._errors import SliceError, UnsupportedTargetError
-from .._trees import abstract_tree, is_traced_leaf, path_str, tree_key
+from .._errors import SliceError, UnsupportedTargetError, VariablesMismatchError
+from .._trees import (
+    abstract_tree,
+    describe_aval,
+    is_traced_leaf,
+    path_str,
+    shape_key,
+    tree_key,
+)
 from ._base import Adapter, Split, count_by_prefix, keywords_of, leaf_sizes, split_kwargs
 from ._parts import held_paths
 from ._patching import callable_classes, marked_calls
@@ -54,6 +61,11 @@ EDIT_REFUSAL = (
 NOT_HELD = (
     "The slice reads variables it does not hold: {paths}. Its parts were replaced by "
     "modules of another structure; slice the changed model again."
+)
+MERGE_MISMATCH = (
+    "The trained slice's {path} is {trained}, where the model holds {held}: merge writes "
+    "back parts of the shapes and dtypes it was sliced with (cast trained arrays back, "
+    "e.g. with `jax.tree.map`, or slice the changed model again)."
 )
 OTHER_SLICE = (
     "`trained` is not a slice with the same parts as this one (at {paths}); pass the "
@@ -248,12 +260,27 @@ def _slice_class() -> type:
             paths = self.programs.paths
             if not isinstance(trained, EquinoxSlice) or trained.programs.paths != paths:
                 raise SliceError(OTHER_SLICE.format(paths=", ".join(self.paths)))
+            _check_arrays(_flat_parts(paths, self.parts), _flat_parts(paths, trained.parts))
             return eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, list(trained.parts))
 
         def __repr__(self) -> str:
             return f"EquinoxSlice(start={self.start!r}, end={self.end!r}, parts={self.paths})"
 
     return EquinoxSlice
+
+
+def _check_arrays(held: dict[tuple[Any, ...], Any], trained: dict[tuple[Any, ...], Any]) -> None:
+    """Trained parts hold arrays at the same paths, of the same shapes and dtypes."""
+    for path in held.keys() | trained.keys():
+        a, b = held.get(path), trained.get(path)
+        if shape_key(a) != shape_key(b):
+            raise VariablesMismatchError(
+                MERGE_MISMATCH.format(path=path_str(path), held=_aval(a), trained=_aval(b))
+            )
+
+
+def _aval(x: Any) -> str:
+    return describe_aval(x) if is_traced_leaf(x) else repr(x)
 
 
 def _flat_parts(paths: Any, parts: Any) -> dict[tuple[Any, ...], Any]:
