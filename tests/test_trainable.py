@@ -726,3 +726,37 @@ def test_a_slice_that_stops_tracing_early_still_sees_unasked_state_updates():
     np.testing.assert_allclose(
         updates["batch_stats"]["bn"]["mean"], want["batch_stats"]["bn"]["mean"]
     )
+
+
+def test_state_of_a_module_whose_equations_feed_only_state_is_returned():
+    """A module that only keeps statistics (its output is its input) still runs when the
+    slice runs the call around it to its end, so its updates are returned, not dropped."""
+
+    class Stats(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            mean = self.variable("batch_stats", "mean", jnp.zeros, x.shape[-1:])
+            if self.is_mutable_collection("batch_stats"):
+                mean.value = 0.9 * mean.value + 0.1 * x.mean(0)
+            return x
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3, name="dense")(Stats(name="stats")(x))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2, name="head")(Block(name="block")(x))
+
+    model, x = Net(), jnp.arange(8.0).reshape(2, 4)
+    variables = model.init(jax.random.key(0), x)
+    sub = js.slice(model, variables, x, end="block", mutable=["batch_stats"])
+    _, updates = sub(x, mutable=["batch_stats"])
+    _, want = model.apply(variables, x, mutable=["batch_stats"])
+    np.testing.assert_allclose(
+        updates["batch_stats"]["block"]["stats"]["mean"],
+        want["batch_stats"]["block"]["stats"]["mean"],
+        rtol=1e-6,
+    )

@@ -224,7 +224,7 @@ def slice_state(
     """
     if rules is None:
         return []
-    participating, modules = _participating_modules(graph, result)
+    participating, modules = _participating_modules(graph, result, input_ids)
     computable = analysis.computable(graph.program, input_ids, graph.is_free)
     variables = graph.variable_set
     chosen = []
@@ -239,10 +239,39 @@ def slice_state(
     return chosen
 
 
-def _participating_modules(graph: Graph, result: analysis.Cut) -> tuple[set[Any], set[Any]]:
-    """Paths of the modules with a call that has equations in the cut, and of all modules."""
+def _participating_modules(
+    graph: Graph, result: analysis.Cut, input_ids: Sequence[int]
+) -> tuple[set[Any], set[Any]]:
+    """Paths of the modules a slice runs, and of all modules.
+
+    A module runs in the slice when a call of it has equations in the cut, or is nested
+    in a call the slice runs to its end (its outputs are computed): such a call's own
+    equations may feed nothing but state (an average that a batch norm keeps in a
+    submodule of its own), and they are still part of running the outer call.
+    """
     calls = [c for c in graph.calls if c.is_module and c.loop is None]
     spans = [(c.start, c.stop) for c in calls]
     taking_part = analysis.spans_with(spans, set(result.eqns), len(graph.eqns))
-    participating = {c.path for c, yes in zip(calls, taking_part, strict=True) if yes}
-    return participating, {c.path for c in calls}
+    made = {v for i in result.eqns for v in graph.eqns[i].outs} | set(input_ids)
+    finished = [c for c, yes in zip(calls, taking_part, strict=True) if yes and _returns(c, made)]
+    nested = _inside(calls, finished, len(graph.eqns))
+    running = {c.path for c, a, b in zip(calls, taking_part, nested, strict=True) if a or b}
+    return running, {c.path for c in calls}
+
+
+def _returns(call: Any, made: set[int]) -> bool:
+    """Whether all of a call's output values are among `made` (and it has some)."""
+    ids = [s.id for s in call.out_slots if s.id is not None]
+    return bool(ids) and all(v in made for v in ids)
+
+
+def _inside(calls: list[Any], outer: list[Any], size: int) -> list[bool]:
+    """For each call with equations, whether it starts inside one of the `outer` spans
+    (call spans nest, so it then ends inside it too); linear overall."""
+    depth = [0] * (size + 1)
+    for c in outer:
+        depth[c.start] += 1
+        depth[c.stop] -= 1
+    for i in range(size):
+        depth[i + 1] += depth[i]
+    return [c.start < c.stop and depth[c.start] > 0 for c in calls]

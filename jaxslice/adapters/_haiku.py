@@ -1,9 +1,144 @@
-"""Work in progress."""
+"""Haiku: ``js.slice(f, params, *inputs)`` for ``f = hk.transform(...)``, and
+``js.slice(f, params, state, *inputs)`` for ``hk.transform_with_state``.
+
+Every module method call is marked through `hk.intercept_methods`, Haiku's public hook
+for exactly this. A boundary's name is the module's `module_name`, exactly as Haiku keys
+its parameters (``res_net18/~/block_group_1``; ``path.method`` for methods other than
+``__call__``). The transformed function itself is no boundary.
+
+Variables are held as collections, as linen's are: ``{"params": params}``, plus
+``"state"`` for a stateful function, so `rngs`, `mutable`, `sub.variables` and `merge`
+work as they do for linen. `rngs` is the one key Haiku's ``apply`` takes (none for
+`hk.without_apply_rng`). Haiku's ``apply`` always returns the new state; the trace keeps
+it, so a slice that updates state (`hk.BatchNorm` with ``is_training=True``) needs
+``mutable=["state"]``, as a linen slice that updates batch statistics does, instead of
+dropping the update.
+"""
 
 from __future__ import annotations
 
-from ._base import Adapter
+import inspect
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from .._core.markers import Origin, call_marked, new_record
+from .._errors import UnsupportedTargetError
+from .._trees import path_names
+from ._base import Adapter, Split, count_by_prefix, split_kwargs
+
+_SKIPPED_METHODS = frozenset({"__init__"})
+
+NO_VARIABLES = (
+    "A Haiku function is sliced with its parameters{state} and sample inputs: "
+    "js.slice(f, params{state_arg}, x, end=...). Create them with `f.init(key, x)`."
+)
+RNG_HINT = (
+    "\nThe function draws random numbers (`hk.next_rng_key`) in this mode, also where the "
+    "slice does not: pass the key Haiku's `apply` takes, e.g. `sub(x, rngs=key)` (or "
+    "`rngs=key` to js.slice)."
+)
+EDIT_REFUSAL = (
+    "js.edit does not take Haiku functions: edit the function that builds the network "
+    "(add or replace modules in it), transform it again, then slice it with js.slice."
+)
+
+
+def _interceptor(next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
+    if context.method_name in _SKIPPED_METHODS:
+        return next_fun(*args, **kwargs)
+    module = context.module
+    record = new_record(
+        origin=Origin.MODULE,
+        path=_module_path(module.module_name),
+        method=context.method_name,
+        module_type=type(module).__name__,
+    )
+    return call_marked(next_fun, args, kwargs, record)
+
+
+def _module_path(module_name: str) -> tuple[str, ...]:
+    """A Haiku module name as a path: ``"mlp/~/linear_0" -> ("mlp", "~", "linear_0")``."""
+    return tuple(module_name.split("/"))
+
+
+def _takes_rng(target: Any) -> bool:
+    try:
+        return "rng" in inspect.signature(target.apply).parameters
+    except (TypeError, ValueError):  # pragma: no cover - apply is a plain function
+        return True
+
+
+def _param_sizes(variables: Any) -> dict[tuple[str, ...], int]:
+    """``{module path + (name,): size}`` of the parameters (Haiku's flat module keys)."""
+    params = variables.get("params", {}) if isinstance(variables, Mapping) else {}
+    return {
+        (*_module_path(str(module)), str(name)): int(getattr(value, "size", 1))
+        for module, leaves in params.items()
+        for name, value in leaves.items()
+    }
 
 
 class HaikuAdapter(Adapter):
-    model_class = ('haiku', 'Transformed')
+    has_collections = True
+    state_includes_variables = True  # apply returns every state entry, changed or not
+
+    @classmethod
+    def accepts(cls, target: Any) -> bool:
+        hk = sys.modules.get("haiku")
+        return hk is not None and isinstance(target, (hk.Transformed, hk.TransformedWithState))
+
+    @staticmethod
+    def _stateful(target: Any) -> bool:
+        import haiku as hk
+
+        return isinstance(target, hk.TransformedWithState)
+
+    def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
+        stateful = self._stateful(target)
+        given = 2 if stateful else 1
+        if len(args) < given:
+            state, state_arg = (" and state", ", state") if stateful else ("", "")
+            raise UnsupportedTargetError(NO_VARIABLES.format(state=state, state_arg=state_arg))
+        kwargs = dict(kwargs)
+        rngs = kwargs.pop("rngs", None)
+        mutable = kwargs.pop("mutable", False)
+        variables = {"params": args[0], "state": args[1]} if stateful else {"params": args[0]}
+        inputs, mode = split_kwargs(kwargs)
+        return Split(variables, rngs, tuple(args[given:]), inputs, mode, mutable)
+
+    def call(self, target: Any, call: Split) -> tuple[Any, Any]:
+        import haiku as hk
+
+        variables = call.variables
+        given = [variables["params"]]
+        if self._stateful(target):
+            given.append(variables["state"])
+        if _takes_rng(target):
+            given.append(call.rngs)
+        with hk.intercept_methods(_interceptor):
+            result = target.apply(*given, *call.args, **call.kwargs)
+        if not self._stateful(target):
+            return result, None
+        out, state = result
+        return out, {"state": state}
+
+    def error_hint(self, error: BaseException) -> str:
+        # Haiku does not export the class: it is known by its name.
+        return RNG_HINT if type(error).__name__ == "MissingRNGError" else ""
+
+    def can_stop_early(self, split: Split) -> bool:
+        return "state" not in split.variables  # the new state is returned only at the end
+
+    def state_owner(self, path: tuple[Any, ...]) -> tuple[str, ...]:
+        names = path_names(path)  # ("state", module name, entry)
+        return _module_path(names[1]) if len(names) > 1 else ()
+
+    def own_parameter_modules(self, variables: Any) -> set[tuple[str, ...]] | None:
+        return {path[:-1] for path in _param_sizes(variables)}
+
+    def parameter_counts(self, variables: Any) -> dict[str, int]:
+        return count_by_prefix(_param_sizes(variables))
+
+    def edit_refusal(self) -> str | None:
+        return EDIT_REFUSAL

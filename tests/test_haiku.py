@@ -1,0 +1,171 @@
+"""Haiku functions (`hk.transform`, `hk.transform_with_state`) as a model kind.
+
+Oracles come from Haiku itself: the same modules transformed in a function that stops
+where the slice ends (same module names, so the same parameters), Haiku's own `apply`
+of the full network, and `jax.grad` of it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxslice as js
+
+hk = pytest.importorskip("haiku")
+
+
+def close(a, b, tol=1e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+X = jax.random.normal(jax.random.key(1), (3, 5))
+
+
+def mlp_fn(x):
+    return hk.nets.MLP([8, 8, 2], name="mlp")(x)
+
+
+def test_names_are_haiku_parameter_keys():
+    f = hk.without_apply_rng(hk.transform(mlp_fn))
+    params = f.init(jax.random.key(0), X)
+    table = js.boundaries(f, params, X)
+    assert table.names() == ["mlp", "mlp/~/linear_0", "mlp/~/linear_1", "mlp/~/linear_2"]
+    assert set(params) == {"mlp/~/linear_0", "mlp/~/linear_1", "mlp/~/linear_2"}
+    sizes = {k: sum(v.size for v in leaves.values()) for k, leaves in params.items()}
+    assert [b.param_count for b in table] == [sum(sizes.values()), *sizes.values()]
+    assert [b.module_type for b in table] == ["MLP", "Linear", "Linear", "Linear"]
+
+
+def test_slices_equal_haiku_truncated_and_full_networks():
+    f = hk.without_apply_rng(hk.transform(mlp_fn))
+    params = f.init(jax.random.key(0), X)
+    body = js.slice(f, params, X, end="mlp/~/linear_1")
+    assert set(body.variables["params"]) == {"mlp/~/linear_0", "mlp/~/linear_1"}
+
+    def truncated(x):  # the same modules, so the same names and parameters
+        mlp = hk.nets.MLP([8, 8, 2], name="mlp")
+        return mlp.layers[1](jax.nn.relu(mlp.layers[0](x)))
+
+    want = hk.without_apply_rng(hk.transform(truncated)).apply(params, X)
+    close(body(X), want)
+    head = js.slice(f, params, X, start="mlp/~/linear_2")
+    close(head(jax.nn.relu(want)), f.apply(params, X))
+    close(js.intermediates(f, params, X, names=["mlp/~/linear_1"])["mlp/~/linear_1"], want)
+
+
+def test_gradients_and_merge():
+    f = hk.transform(mlp_fn)  # with an rng argument (unused)
+    params = f.init(jax.random.key(0), X)
+    head = js.slice(f, params, X, start="mlp/~/linear_1")
+    first = params["mlp/~/linear_0"]
+    h = jax.nn.relu(X @ first["w"] + first["b"])
+    loss = lambda out: jnp.sum(out**2)  # noqa: E731
+    got = jax.grad(lambda v: loss(head.apply(v, h)))(head.variables)
+    want = jax.grad(lambda p: loss(f.apply(p, None, X)))(params)
+    for key in ("mlp/~/linear_1", "mlp/~/linear_2"):
+        close(got["params"][key], want[key])
+    trained = jax.tree.map(lambda p, g: p - 0.1 * g, head.variables, got)
+    merged = head.merge({"params": params}, trained)["params"]
+    assert merged["mlp/~/linear_0"]["w"] is params["mlp/~/linear_0"]["w"]
+    close(
+        merged["mlp/~/linear_2"],
+        jax.tree.map(lambda p, g: p - 0.1 * g, params["mlp/~/linear_2"], want["mlp/~/linear_2"]),
+    )
+
+
+class Net(hk.Module):
+    def __call__(self, x, is_training):
+        h = hk.Conv2D(4, 3, name="conv")(x)
+        h = jax.nn.relu(hk.BatchNorm(True, True, 0.9, name="bn")(h, is_training))
+        shared = hk.Linear(4, name="shared")
+        h = shared(shared(jnp.mean(h, axis=(1, 2))))  # one module called twice
+        return hk.Linear(2, name="head")(h)
+
+
+def net_fn(x, is_training):
+    return Net(name="net")(x, is_training)
+
+
+IMAGES = jax.random.normal(jax.random.key(2), (4, 6, 6, 3))
+
+
+def test_batch_norm_state_in_train_and_eval_mode():
+    f = hk.transform_with_state(net_fn)
+    params, state = f.init(jax.random.key(0), IMAGES, True)
+    assert "net/bn/~/mean_ema" in state  # created in `__call__`: no `~` before `bn`
+
+    def upto_bn(x, is_training):
+        class Net(hk.Module):  # the same names as the full network, up to `bn`
+            def __call__(self, x):
+                h = hk.Conv2D(4, 3, name="conv")(x)
+                return hk.BatchNorm(True, True, 0.9, name="bn")(h, is_training)
+
+        return Net(name="net")(x)
+
+    reference = hk.transform_with_state(upto_bn)
+    for training in (False, True):
+        want, want_state = reference.apply(params, state, None, IMAGES, training)
+        sub = js.slice(f, params, state, IMAGES, end="net/bn", is_training=training)
+        if not training:
+            close(sub(IMAGES), want)
+            continue
+        with pytest.raises(js.SliceError, match="mutable"):
+            sub(IMAGES)  # train mode updates the statistics: never silently dropped
+        sub = js.slice(f, params, state, IMAGES, end="net/bn", is_training=True, mutable=["state"])
+        out, updates = sub(IMAGES, mutable=["state"])
+        close(out, want)
+        assert set(updates["state"]) <= set(state)
+        for name, entries in updates["state"].items():
+            close(entries, want_state[name])
+        assert all(want_state[k]["counter"] == state[k]["counter"] + 1 for k in updates["state"])
+
+
+def test_a_module_called_twice_and_the_full_stateful_output():
+    f = hk.transform_with_state(net_fn)
+    params, state = f.init(jax.random.key(0), IMAGES, True)
+    names = js.boundaries(f, params, state, IMAGES, is_training=False).names()
+    assert "net/shared@0" in names and "net/shared@1" in names
+    assert "net/bn/~/mean_ema.average" in names  # a method other than __call__
+    tail = js.slice(f, params, state, IMAGES, start="net/shared@1", is_training=False)
+    h = jax.random.normal(jax.random.key(3), (4, 4))
+    p = params
+    want = (h @ p["net/shared"]["w"] + p["net/shared"]["b"]) @ p["net/head"]["w"] + p["net/head"][
+        "b"
+    ]
+    close(tail(h), want)
+    full = js.slice(f, params, state, IMAGES, is_training=False)
+    close(full(IMAGES), f.apply(params, state, None, IMAGES, False)[0])
+
+
+def test_random_keys_are_haikus_rng():
+    def fn(x):
+        h = hk.Linear(6, name="a")(x)
+        return hk.Linear(2, name="b")(hk.dropout(hk.next_rng_key(), 0.5, h))
+
+    f = hk.transform(fn)
+    params = f.init(jax.random.key(0), X)
+    key = jax.random.key(7)
+    sub = js.slice(f, params, X, start="b:input", rngs=key)
+    full = js.slice(f, params, X, rngs=key)
+    close(full(X, rngs=key), f.apply(params, key, X))
+    h = jnp.ones((3, 6))
+    b = params["b"]
+    close(sub(h, rngs=key), h @ b["w"] + b["b"])
+    with pytest.raises(js.SliceError, match="rngs=key"):
+        sub(h)  # re-traced without a key: Haiku's error, with what to pass
+
+
+def test_clear_errors():
+    f = hk.transform_with_state(net_fn)
+    with pytest.raises(js.SliceError, match="params, state"):
+        js.slice(f, end="net/head")
+    g = hk.without_apply_rng(hk.transform(mlp_fn))
+    params = g.init(jax.random.key(0), X)
+    with pytest.raises(js.SliceError, match="mlp/~/linear_1"):
+        js.slice(g, params, X, end="mlp/linear_1")
+    with pytest.raises(js.SliceError, match="Haiku"):
+        js.edit(g, params, X)
