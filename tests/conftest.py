@@ -278,6 +278,18 @@ def random_variables(model: nn.Module, *args: Any, seed: int = 0) -> Any:
     return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
+def import_keras() -> Any:
+    """Keras on the JAX backend (chosen before its first import), or a skip."""
+    import sys
+
+    if "keras" not in sys.modules:
+        os.environ["KERAS_BACKEND"] = "jax"
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "jax":
+        pytest.skip(f"Keras was imported with the {keras.backend.backend()!r} backend")
+    return keras
+
+
 def random_input(seed: int, shape: tuple[int, ...]) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 

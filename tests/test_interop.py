@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_all_close, random_input
+from conftest import assert_trees_all_close, import_keras, random_input
 
 import jaxslice as js
 
@@ -366,15 +366,6 @@ def test_nested_scopes_with_one_span_are_ordered_outer_first_in_every_process():
 # --------------------------------------------------------------------------- Keras 3 (JAX backend)
 
 
-def _import_keras():
-    if "keras" not in sys.modules:
-        os.environ["KERAS_BACKEND"] = "jax"
-    keras = pytest.importorskip("keras")
-    if keras.backend.backend() != "jax":
-        pytest.skip(f"Keras was imported with the {keras.backend.backend()!r} backend")
-    return keras
-
-
 def _keras_variables(model):
     return (
         [v.value for v in model.trainable_variables],
@@ -391,7 +382,7 @@ def _keras_fn(model):
 
 class _KerasZoo:
     def __init__(self):
-        keras = _import_keras()
+        keras = import_keras()
         keras.utils.set_random_seed(0)
 
         class Block(keras.layers.Layer):
@@ -499,7 +490,7 @@ def test_keras_training_mode_is_a_mode_keyword(kz):
 
 
 def test_keras_shared_layer_calls_are_numbered_unless_back_to_back():
-    keras = _import_keras()
+    keras = import_keras()
     keras.utils.set_random_seed(1)
     x = random_input(35, (3, 4))
 

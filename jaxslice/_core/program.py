@@ -342,7 +342,12 @@ class SliceProgram:
         return prune(full_variables, set(plan_.variable_paths))
 
     def merge(self, full_variables: Any, new_variables: Any) -> Any:
-        """The model's variables with the slice's entries replaced by `new_variables`."""
+        """The model's variables with the slice's entries replaced by `new_variables`
+        (or, given a model that holds its variables, the model, updated in place)."""
+        held = self.adapter.model_variables(full_variables)
+        if held is not None:
+            self.adapter.assign(full_variables, self.merge(held, new_variables))
+            return full_variables
         updates = dict(jax.tree_util.tree_flatten_with_path(new_variables)[0])
         flat, treedef = jax.tree_util.tree_flatten_with_path(full_variables)
         known = dict(flat)

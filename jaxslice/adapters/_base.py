@@ -123,6 +123,15 @@ class Adapter:
     def write_back(self, target: Any, state: list[tuple[Any, Any]]) -> None:
         """Stores updated ``(path, value)`` state in a model that holds its variables."""
 
+    def model_variables(self, value: Any) -> Any:
+        """The variables of `value` as `split` makes them, when it is a model of this kind
+        that `merge` writes into in place (`assign`); None for anything else."""
+        return None
+
+    def assign(self, model: Any, variables: Any) -> None:
+        """Writes `variables` (as `model_variables` gives them) into `model`."""
+        raise NotImplementedError
+
     def slice_view(self, target: Any, program: Any) -> Any:
         """What `js.slice` returns for this kind, or None for a `js.Sliced`."""
         return None

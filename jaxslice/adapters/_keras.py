@@ -1,9 +1,157 @@
-"""Work in progress."""
+"""Keras 3 on JAX: ``js.slice(model, *inputs, ...)`` for a `keras.Layer` or `keras.Model`.
+
+The model is called through `stateless_call`, so its variables are traced values. They
+are grouped as Keras groups them, ``{"trainable": ..., "non_trainable": ...}``, each
+nested by layer path and variable name (``{"block": {"a": {"kernel": ...}}}``), the
+same paths the boundaries have. Like linen's collections: `sub.variables` holds the
+slice's part, ``mutable=["non_trainable"]`` returns updated moving statistics and
+random-seed states (a slice that updates them without it is an error, as linen's
+``apply`` raises), and ``training=True`` is a mode keyword. ``sub.merge(model, trained)``
+assigns trained values to the model's own variables.
+
+Boundaries are layers only: each layer call is marked explicitly by wrapping
+``__call__`` on the layers' classes while the model is traced
+(`_patching.marked_calls`), so einsums and other operations inside a layer are not
+boundaries, and a start takes the layer's call arguments as the call passed them
+(``layer(x, padding_mask=m)``: ``x``, then the keyword ``padding_mask``). Names are
+layer names joined by ``/`` from the model down (``block/a``); the model's own call is
+no boundary. Sharp edge: Keras returns the new non-trainable state only at the end of a
+call, so traces never stop early.
+"""
 
 from __future__ import annotations
 
-from ._base import Adapter
+from typing import Any
+
+from .._errors import UnsupportedTargetError
+from .._trees import path_names
+from ._base import Adapter, Split, count_by_prefix, keywords_of, leaf_sizes, split_kwargs
+from ._patching import callable_classes, marked_calls
+
+GROUPS = ("trainable", "non_trainable")
+
+NOT_JAX = (
+    "This Keras model runs on the {backend!r} backend; jaxslice traces models with JAX. "
+    "Set the backend before importing Keras: `KERAS_BACKEND=jax` (or "
+    "`os.environ['KERAS_BACKEND'] = 'jax'` first thing in your program)."
+)
+NOT_BUILT = (
+    "The Keras model has no variables yet: build it first (call it once on a sample "
+    "input, or `model.build(input_shape)`), then slice it."
+)
+EDIT_REFUSAL = (
+    "js.edit does not take Keras models: edit one with Keras itself (a functional model "
+    "built from the layers you keep, with new layers inserted), then slice it."
+)
+
+
+def _children(layer: Any) -> list[Any]:
+    """The layers directly inside `layer` (Keras tracks them as they are assigned)."""
+    flatten = getattr(layer, "_flatten_layers", None)
+    if flatten is not None:
+        return list(flatten(include_self=False, recursive=False))
+    return list(getattr(layer, "layers", []))  # pragma: no cover - other Keras 3 releases
+
+
+def layer_paths(model: Any) -> dict[int, tuple[tuple[str, ...], Any]]:
+    """``id(layer) -> (path, layer)`` for every layer inside `model` (first path of a
+    layer reachable twice); the model itself has the path ``()``."""
+    found: dict[int, tuple[tuple[str, ...], Any]] = {}
+    stack = [((), model)]
+    while stack:
+        path, layer = stack.pop()
+        if id(layer) in found:
+            continue
+        found[id(layer)] = (path, layer)
+        stack += [((*path, child.name), child) for child in reversed(_children(layer))]
+    return found
+
+
+def variable_keys(model: Any) -> dict[int, tuple[str, ...]]:
+    """``id(variable) -> (group, *layer path, name)`` for every variable of `model`,
+    keyed under the innermost layer that holds it."""
+    keys: dict[int, tuple[str, ...]] = {}
+    layers = sorted(layer_paths(model).values(), key=lambda item: -len(item[0]))
+    for path, layer in layers:  # innermost first: a variable belongs to its own layer
+        for v in layer.variables:
+            group = GROUPS[0] if v.trainable else GROUPS[1]
+            keys.setdefault(id(v), (group, *path, v.name))
+    return keys
+
+
+def _nested(pairs: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {group: {} for group in GROUPS}
+    for key, value in pairs:
+        node = out
+        for part in key[:-1]:
+            node = node.setdefault(part, {})
+        node[key[-1]] = value
+    return out
+
+
+def _read(tree: dict[str, Any], key: tuple[str, ...]) -> Any:
+    for part in key:
+        tree = tree[part]
+    return tree
 
 
 class KerasAdapter(Adapter):
-    model_class = ('keras', 'Layer')
+    has_collections = True
+    state_includes_variables = True  # stateless_call returns every non-trainable variable
+    model_class = ("keras", "Layer")
+
+    def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
+        import keras
+
+        if keras.backend.backend() != "jax":
+            raise UnsupportedTargetError(NOT_JAX.format(backend=keras.backend.backend()))
+        kwargs = dict(kwargs)
+        mutable = kwargs.pop("mutable", False)
+        inputs, mode = split_kwargs(kwargs)
+        variables = self.model_variables(target)
+        if not target.variables:
+            raise UnsupportedTargetError(NOT_BUILT)
+        return Split(variables, None, tuple(args), inputs, mode, mutable)
+
+    def call(self, target: Any, call: Split) -> tuple[Any, Any]:
+        keys = variable_keys(target)
+        trainable = [_read(call.variables, keys[id(v)]) for v in target.trainable_variables]
+        fixed = [_read(call.variables, keys[id(v)]) for v in target.non_trainable_variables]
+        found = layer_paths(target)
+        paths = {i: path for i, (path, _) in found.items() if path}
+        classes = callable_classes(layer for path, layer in found.values() if path)
+        with marked_calls(paths, classes):
+            out, fixed = target.stateless_call(trainable, fixed, *call.args, **call.kwargs)
+        pairs = zip(target.non_trainable_variables, fixed, strict=True)
+        return out, _nested([(keys[id(v)], value) for v, value in pairs])
+
+    def accepted_keywords(self, target: Any) -> set[str] | None:
+        names = keywords_of(type(target).call)
+        return None if names is None else names - {"self"}
+
+    def model_variables(self, value: Any) -> Any:
+        import keras
+
+        if not isinstance(value, keras.Layer):
+            return None
+        keys = variable_keys(value)
+        return _nested([(keys[id(v)], v.value) for v in value.variables])
+
+    def assign(self, model: Any, variables: Any) -> None:
+        keys = variable_keys(model)
+        for v in model.variables:
+            value = _read(variables, keys[id(v)])
+            if value is not v.value:
+                v.assign(value)
+
+    def state_owner(self, path: tuple[Any, ...]) -> tuple[str, ...]:
+        return path_names(path)[1:-1]  # after the group, before the variable's name
+
+    def own_parameter_modules(self, variables: Any) -> set[tuple[str, ...]] | None:
+        return {path[1:-1] for path in leaf_sizes(variables)}
+
+    def parameter_counts(self, variables: Any) -> dict[str, int]:
+        return count_by_prefix({path[1:]: size for path, size in leaf_sizes(variables).items()})
+
+    def edit_refusal(self) -> str | None:
+        return EDIT_REFUSAL

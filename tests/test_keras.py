@@ -1,0 +1,177 @@
+"""Keras 3 models (JAX backend) as a model kind: layers are the boundaries.
+
+Oracles come from Keras itself: functional sub-models built from a layer's output,
+eager calls of the layers, `stateless_call` of the full model (values, gradients and
+the moving statistics it returns).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import import_keras
+
+import jaxslice as js
+
+
+def close(a, b, tol=1e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+X = np.random.default_rng(0).normal(size=(3, 4)).astype("float32")
+
+
+@pytest.fixture(scope="module")
+def keras():
+    return import_keras()
+
+
+def functional(keras):
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.a = keras.layers.Dense(6, name="a")
+            self.b = keras.layers.Dense(6, name="b")
+
+        def call(self, x):
+            return self.b(keras.ops.tanh(self.a(x))) + x
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((4,))
+    h = keras.layers.Dense(6, name="stem")(inp)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    h = keras.layers.Activation("relu", name="act")(h)
+    h = Block(name="block")(h)
+    return keras.Model(inp, keras.layers.Dense(2, name="head")(h))
+
+
+def sub_model(keras, model, name):
+    """Keras's own feature extractor: a functional model ending at a layer's output."""
+    return keras.Model(model.inputs, model.get_layer(name).output)
+
+
+def test_layers_are_the_boundaries_with_their_classes(keras):
+    model = functional(keras)
+    table = js.boundaries(model, X)
+    assert table.names() == ["stem", "bn", "act", "block", "block/a", "block/b", "head"]
+    assert [b.module_type for b in table][:3] == ["Dense", "BatchNormalization", "Activation"]
+    assert table[0].param_count == model.get_layer("stem").count_params()
+    assert table[3].param_count == model.get_layer("block").count_params()
+
+
+@pytest.mark.parametrize("name", ["stem", "bn", "block", "head"])
+def test_prefix_slices_equal_keras_sub_models(keras, name):
+    model = functional(keras)
+    sub = js.slice(model, X, end=name)
+    close(sub(X), sub_model(keras, model, name)([X]))
+
+
+def test_a_slice_holds_only_its_layers_variables_keyed_by_path(keras):
+    model = functional(keras)
+    head = js.slice(model, X, start="block")
+    assert jax.tree.map(jnp.shape, head.variables) == {
+        "trainable": {
+            "block": {"a": {"bias": (6,), "kernel": (6, 6)}, "b": {"bias": (6,), "kernel": (6, 6)}},
+            "head": {"bias": (2,), "kernel": (6, 2)},
+        }
+    }
+    feats = sub_model(keras, model, "act")([X])
+    close(head(feats), model(X))
+    inner = js.slice(model, X, start="block/b", end="block/b")
+    block = model.get_layer("block")
+    close(inner(feats), block.b(feats))
+
+
+def test_gradients_equal_those_of_stateless_call(keras):
+    model = functional(keras)
+    head = js.slice(model, X, start="block")
+    feats = sub_model(keras, model, "act")([X])
+    got = jax.grad(lambda v: jnp.sum(head.apply(v, feats) ** 2))(head.variables)
+
+    def full(trainable):
+        fixed = [v.value for v in model.non_trainable_variables]
+        return jnp.sum(model.stateless_call(trainable, fixed, X)[0] ** 2)
+
+    want = jax.grad(full)([v.value for v in model.trainable_variables])
+    by_path = {v.path: g for v, g in zip(model.trainable_variables, want, strict=True)}
+    close(got["trainable"]["head"]["kernel"], by_path["head/kernel"])
+    close(got["trainable"]["block"]["a"]["kernel"], by_path["block/a/kernel"])
+
+
+def test_training_mode_returns_moving_statistics_only_when_asked(keras):
+    model = functional(keras)
+    train = js.slice(model, X, end="bn", training=True)
+    with pytest.raises(js.SliceError, match="non_trainable"):
+        train(X)  # the moving statistics change: never silently dropped
+    train = js.slice(model, X, end="bn", training=True, mutable=["non_trainable"])
+    out, updates = train(X, mutable=["non_trainable"])
+    trainable = [v.value for v in model.trainable_variables]
+    fixed = [v.value for v in model.non_trainable_variables]
+    _, new_fixed = model.stateless_call(trainable, fixed, X, training=True)
+    moved = {v.path: x for v, x in zip(model.non_trainable_variables, new_fixed, strict=True)}
+    close(updates["non_trainable"]["bn"]["moving_mean"], moved["bn/moving_mean"])
+    assert not np.allclose(moved["bn/moving_mean"], model.get_layer("bn").moving_mean.value)
+    close(out, sub_model(keras, model, "bn")([X], training=True))
+
+
+def test_merge_assigns_trained_values_to_the_model(keras):
+    model = functional(keras)
+    head = js.slice(model, X, start="head")
+    stem_kernel = model.get_layer("stem").kernel.value
+    trained = jax.tree.map(lambda a: a + 1.0, head.variables)
+    assert head.merge(model, trained) is model
+    close(model.get_layer("head").kernel.value, trained["trainable"]["head"]["kernel"])
+    assert model.get_layer("stem").kernel.value is stem_kernel  # untouched
+    with pytest.raises(js.VariablesMismatchError):
+        head.merge(model, {"trainable": {"head": {"kernel": jnp.ones((3, 3))}}})
+
+
+def test_attention_is_a_layer_and_starts_follow_the_call(keras):
+    class Encoder(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.attn = keras.layers.MultiHeadAttention(2, 4, name="attn")
+            self.ffn = keras.layers.Dense(8, name="ffn")
+
+        def call(self, x, padding_mask=None):
+            h = x + self.attn(x, x, attention_mask=padding_mask)
+            return self.ffn(h)
+
+    keras.utils.set_random_seed(1)
+    tokens = keras.Input((5, 8))
+    mask = keras.Input((5, 5), dtype="bool")
+    enc = Encoder(name="encoder")
+    model = keras.Model([tokens, mask], enc(tokens, padding_mask=mask))
+    x = np.random.default_rng(1).normal(size=(2, 5, 8)).astype("float32")
+    m = np.tril(np.ones((2, 5, 5), bool))
+    names = js.boundaries(model, [x, m]).names()
+    assert names[:2] == ["encoder", "encoder/attn"]
+    assert not any("->" in n for n in names)  # no einsum equations as boundaries
+    sub = js.slice(model, [x, m], start="encoder", end="encoder")
+    close(sub(x, padding_mask=m), enc(x, padding_mask=m))  # the call's own order
+
+
+def test_a_shared_layer_and_a_sequential_model(keras):
+    keras.utils.set_random_seed(2)
+    inp = keras.Input((4,))
+    shared = keras.layers.Dense(4, name="shared")
+    model = keras.Model(inp, keras.layers.Dense(2, name="head")(shared(shared(inp))))
+    assert js.boundaries(model, X).names() == ["shared@0", "shared@1", "head"]
+    close(js.slice(model, X, end="shared@1")(X), shared(shared(X)))
+    seq = keras.Sequential([keras.layers.Dense(5, name="d0"), keras.layers.Dense(3, name="d1")])
+    seq.build((None, 4))
+    close(js.slice(seq, X, end="d0")(X), seq.layers[0](X))
+
+
+def test_clear_errors(keras):
+    model = functional(keras)
+    with pytest.raises(js.SliceError, match="block/a"):
+        js.slice(model, X, end="block/c")
+    with pytest.raises(js.SliceError, match="Keras"):
+        js.edit(model, X)
+    unbuilt = keras.Sequential([keras.layers.Dense(3)])
+    with pytest.raises(js.SliceError, match="build it first"):
+        js.slice(unbuilt, X)
