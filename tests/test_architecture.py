@@ -53,7 +53,7 @@ The rules:
    cycle is reported by ``networkx.simple_cycles``, each edge with the file and line of its
    import statement.
 4. ``import jaxslice`` does not import ``flax.nnx`` (Flax's NNX is imported only when an
-   NNX model is used), checked in a fresh interpreter.
+   NNX model is used), nor Equinox, Haiku or Keras, checked in a fresh interpreter.
 5. Cyclomatic complexity (radon): the average over jaxslice/ is at most 3.0 and no function
    or method (closures included) exceeds 15. The average is the one ``radon cc -a``
    prints: the mean over every block ``radon.complexity.cc_visit`` returns for each file,
@@ -601,6 +601,19 @@ def test_import_does_not_load_flax_nnx():
         "(e.g. inside the adapter's functions). jaxslice frames on the stack when flax.nnx "
         f"was imported (innermost last):\n{chain}"
     )
+
+
+MODEL_LIBRARIES = ("equinox", "haiku", "keras")
+
+
+def test_import_does_not_load_other_model_libraries():
+    """Equinox, Haiku and Keras are imported only when such a model is passed."""
+    code = f"import jaxslice, sys; print([m for m in {MODEL_LIBRARIES!r} if m in sys.modules])"
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, f"`import jaxslice` failed:\n{run.stderr[-3000:]}"
+    assert run.stdout.split("\n")[-2] == "[]", f"`import jaxslice` imports {run.stdout}"
 
 
 def test_complexity():

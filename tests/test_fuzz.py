@@ -70,7 +70,6 @@ import pytest
 from conftest import (
     assert_trees_all_close,
     assert_trees_equal,
-    assert_variables_are_subset_of,
     expected_variable_paths,
     flat_ends,
     large_fuzz_seeds,
@@ -152,6 +151,7 @@ class CallRec:
     args: list[int]  # value ids of the positional arguments
     kwargs: dict[str, int]  # value ids of keyword arguments
     out: Any = None  # value id, or tuple of ids
+    parent: Any = None  # the call this one happens inside (a CallRec), if any
 
 
 class Recorder:
@@ -167,6 +167,7 @@ class Recorder:
         self.opaque = 0  # > 0 inside a block under nn.remat or nn.jit
         self.producer: dict[int, str] = {}  # value id -> path of the leaf module computing it
         self.updating: set[str] = set()  # paths of the modules that update state (train mode)
+        self.open: list[CallRec] = []  # the calls running now, outermost first
 
     def new(self, value: Any, parents: tuple[int, ...]) -> int:
         """A new value of the DAG. Values computed inside nn.remat/nn.jit are tracers of
@@ -228,10 +229,15 @@ def _invoke(
     if isinstance(module, RunningAvg) and module.train:
         rec.updating.add(base)
     call = CallRec(base, k, [_ids(a) for a in args], {n: _ids(v) for n, v in kwargs.items()})
+    call.parent = rec.open[-1] if rec.open else None
     rec.calls.append(call)
     if how in ("custom", "transformed"):
         rec.arg_stack.append((call.args, call.kwargs))
-    out = fn(*raw_args, **raw_kwargs)
+    rec.open.append(call)
+    try:
+        out = fn(*raw_args, **raw_kwargs)
+    finally:
+        rec.open.pop()
     if how == "new":
         ids = rec.new(out, tuple(jax.tree_util.tree_leaves((call.args, call.kwargs))))
         rec.producer[ids] = base
@@ -1017,9 +1023,8 @@ class Oracle:
         clash = len(keywords) != len(set(keywords)) or len(ids) != len(set(ids))
         return pair_verdict(missing, disconnected, unused, clash)
 
-    def modules_needed(self, start: Any, end: Any) -> set[str]:
-        """Paths of the leaf modules (those owning variables) whose results the slice
-        computes: the producers of the values between the start and the ends."""
+    def _closure(self, start: Any, end: Any) -> tuple[set[int], set[int]]:
+        """``(values the slice computes, values it is given)``."""
         if start is None:
             given = set(self.rec.model_inputs)
         else:
@@ -1036,7 +1041,37 @@ class Oracle:
                 continue
             seen.add(v)
             stack.extend(self.rec.parents[v])
-        return {self.rec.producer[v] for v in seen if v in self.rec.producer}
+        return seen, given
+
+    def expected_variables(self, start: Any, end: Any) -> set[tuple[str, ...]]:
+        """Leaf paths a slice holds: every variable of the modules it needs, and the
+        statistics of modules that update them inside a call the slice runs whole (a
+        block's call runs all of it, also a batch norm whose result nothing reads)."""
+        seen, given = self._closure(start, end)
+        needed = {self.rec.producer[v] for v in seen if v in self.rec.producer}
+        updating = (self._run_inside(seen | given) & self.rec.updating) - needed
+        stats = expected_variable_paths(self.variables, updating)
+        return expected_variable_paths(self.variables, needed) | {
+            p for p in stats if p[0] == "batch_stats"
+        }
+
+    def updating_modules(self, start: Any, end: Any) -> set[str]:
+        """The modules that update state (train mode) among those the slice runs."""
+        seen, given = self._closure(start, end)
+        needed = {self.rec.producer[v] for v in seen if v in self.rec.producer}
+        return (needed | self._run_inside(seen | given)) & self.rec.updating
+
+    def _run_inside(self, within: set[int]) -> set[str]:
+        """Modules called inside a call whose arguments and results are all `within`."""
+        whole = {id(c) for c in self.rec.calls if _runs_whole(c, within)}
+        found = set()
+        for c in self.rec.calls:
+            outer = c.parent
+            while outer is not None and id(outer) not in whole:
+                outer = outer.parent
+            if outer is not None:
+                found.add(c.base.split(".")[0])
+        return found
 
     # ---- running slices
 
@@ -1067,16 +1102,23 @@ class Oracle:
         got = self.call(sub, *args, **kwargs)
         stats.slices += 1
         assert_trees_all_close(got, self.ends_value(end), atol=ATOL, rtol=RTOL)
-        modules = self.modules_needed(start, end)
-        got, want = set(leaf_paths(sub.variables)), expected_variable_paths(self.variables, modules)
+        got, want = set(leaf_paths(sub.variables)), self.expected_variables(start, end)
         if got != want:  # reported after the model's other checks have run
             self.deferred.append(
                 f"start={start!r} end={end!r}: sub.variables has extra {sorted(got - want)} "
                 f"and lacks {sorted(want - got)}"
             )
         else:
-            assert_variables_are_subset_of(sub.variables, self.variables, modules)
+            original = leaf_paths(self.variables)
+            for path, leaf in leaf_paths(sub.variables).items():
+                assert leaf is original[path], f"{path} is a copy, not the original leaf"
         return sub
+
+
+def _runs_whole(call: CallRec, within: set[int]) -> bool:
+    outs = [i for i in jax.tree_util.tree_leaves(call.out) if i is not None]
+    ins = [i for i in jax.tree_util.tree_leaves((call.args, call.kwargs)) if i is not None]
+    return bool(outs) and set(outs) <= within and set(ins) <= within
 
 
 def build_oracle(g: Generated) -> Oracle:
@@ -1377,22 +1419,23 @@ def check_state(o: Oracle, stats: Stats) -> None:
         return
     with pytest.raises(flax.errors.ModifyScopeVariableError):
         o.g.model.apply(o.variables, *o.g.inputs)  # the oracle: linen raises
-    needed = o.modules_needed(None, None)
+    updating = o.updating_modules(None, None)
     try:
         got = js.slice(o.g.model, o.variables, *o.g.inputs)(*o.g.inputs)
     except js.SliceError:
-        assert needed & o.rec.updating, "raised, but the slice updates no state"
+        assert updating, "raised, but the slice updates no state"
     else:
-        if needed & o.rec.updating:
+        if updating:
             raise AssertionError(
-                f"a slice updating {sorted(needed & o.rec.updating)} without "
+                f"a slice updating {sorted(updating)} without "
                 "mutable=['batch_stats'] returned instead of raising as model.apply does; "
                 f"got {jax.tree_util.tree_map(np.asarray, got)!r}"
             )
         assert_trees_all_close(got, o.model_out, atol=ATOL, rtol=RTOL)
     want, want_vars = o.g.model.apply(o.variables, *o.g.inputs, mutable=True)
     sub = js.slice(o.g.model, o.variables, *o.g.inputs, mutable=True)
-    if not expected_variable_paths(o.variables, needed):
+    expected = o.expected_variables(None, None)
+    if not expected:
         # A slice that holds no state at all: asking for its state is a clear error
         # (tests/test_trainable.py), where linen would return an empty dict.
         with pytest.raises(js.SliceError, match="no state"):
@@ -1405,7 +1448,7 @@ def check_state(o: Oracle, stats: Stats) -> None:
     # mutable), as `model.apply` returns all of the model's.
     want_vars = leaf_paths(want_vars)
     got_vars = leaf_paths(got_vars)
-    assert set(got_vars) == expected_variable_paths(o.variables, needed)
+    assert set(got_vars) == expected
     assert_trees_all_close(got_vars, {p: want_vars[p] for p in got_vars}, atol=0, rtol=0)
 
 

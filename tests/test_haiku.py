@@ -122,6 +122,10 @@ def test_batch_norm_state_in_train_and_eval_mode():
         for name, entries in updates["state"].items():
             close(entries, want_state[name])
         assert all(want_state[k]["counter"] == state[k]["counter"] + 1 for k in updates["state"])
+        merged = sub.merge({"params": params, "state": state}, updates)
+        assert merged["params"]["net/head"]["w"] is params["net/head"]["w"]  # untouched leaves
+        for name, entries in want_state.items():  # by hand: Haiku's new state, entry by entry
+            close(merged["state"][name], entries)
 
 
 def test_a_module_called_twice_and_the_full_stateful_output():
@@ -157,6 +161,10 @@ def test_random_keys_are_haikus_rng():
     close(sub(h, rngs=key), h @ b["w"] + b["b"])
     with pytest.raises(js.SliceError, match="rngs=key"):
         sub(h)  # re-traced without a key: Haiku's error, with what to pass
+    with pytest.raises(js.SliceError, match="rngs=key"):
+        js.slice(f, params, X, rng=key)  # Haiku's name for it: told which keyword to use
+    with pytest.raises(js.SliceError, match="does not accept"):
+        sub(h, rng=key)
 
 
 def test_clear_errors():
@@ -169,3 +177,23 @@ def test_clear_errors():
         js.slice(g, params, X, end="mlp/linear_1")
     with pytest.raises(js.SliceError, match="Haiku"):
         js.edit(g, params, X)
+
+
+def test_haiku_transforms_inside_the_function():
+    def fn(x):
+        h = hk.remat(lambda y: hk.Linear(4, name="inner")(y))(x)
+        cell = hk.Linear(4, name="cell")
+        c, _ = hk.scan(lambda c, _: (jnp.tanh(cell(c)), None), h, None, length=3)
+        return hk.Linear(2, name="head")(c)
+
+    f = hk.without_apply_rng(hk.transform(fn))
+    params = f.init(jax.random.key(0), X[:, :4])
+    x = X[:, :4]
+    names = js.boundaries(f, params, x).names()
+    assert {"inner", "cell[:]", "head"} <= set(names)
+    inner, cell = params["inner"], params["cell"]
+    h = x @ inner["w"] + inner["b"]
+    close(js.slice(f, params, x, end="inner")(x), h)
+    want = jnp.tanh(h @ cell["w"] + cell["b"]) @ cell["w"] + cell["b"]  # iteration 1, by hand
+    close(js.slice(f, params, x, end="cell[1]")(x), want)
+    close(js.slice(f, params, x)(x), f.apply(params, x))

@@ -9,7 +9,7 @@ back. Anything that makes the slice impossible is reported by `diagnose.py`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import jax
@@ -218,20 +218,23 @@ def slice_state(
 
     An entry belongs to the slice when the module that owns it (the longest module path
     that prefixes the entry's path) has a call with equations in the slice, and its new
-    value can be computed from the slice's inputs. State of the top-level module itself
-    belongs only to a slice of the whole model (from its inputs to its output). State of
-    modules outside the slice is not returned, so merging it back leaves them untouched.
+    value can be computed from the slice's inputs. An entry the model changes also
+    belongs when its module is called inside a call the slice runs whole, as running
+    that call changes it. State of the top-level module itself belongs only to a slice
+    of the whole model (from its inputs to its output). State of modules outside the
+    slice is not returned, so merging it back leaves them untouched.
     """
     if rules is None:
         return []
-    participating, modules = _participating_modules(graph, result, input_ids)
     computable = analysis.computable(graph.program, input_ids, graph.is_free)
+    participating, nested, modules = _participating_modules(graph, result, computable)
     variables = graph.variable_set
     chosen = []
     for path, vid in zip(graph.state_paths, graph.state_ids, strict=True):
         owner = analysis.owner(rules.owner(path), modules)
-        belongs = whole if owner is None else owner in participating
         unchanged = vid in variables
+        runs = owner in participating or (owner in nested and not unchanged)
+        belongs = whole if owner is None else runs
         # Nothing to write back, or its final value comes from outside the slice:
         skip = (unchanged and rules.includes_variables) or not (unchanged or vid in computable)
         if belongs and not skip:
@@ -240,29 +243,42 @@ def slice_state(
 
 
 def _participating_modules(
-    graph: Graph, result: analysis.Cut, input_ids: Sequence[int]
-) -> tuple[set[Any], set[Any]]:
-    """Paths of the modules a slice runs, and of all modules.
+    graph: Graph, result: analysis.Cut, computable: Container[int]
+) -> tuple[set[Any], set[Any], set[Any]]:
+    """Paths of the modules with a call that has equations in the cut, of those called
+    inside a call the slice runs whole, and of all modules.
 
-    A module runs in the slice when a call of it has equations in the cut, or is nested
-    in a call the slice runs to its end (its outputs are computed): such a call's own
-    equations may feed nothing but state (an average that a batch norm keeps in a
-    submodule of its own), and they are still part of running the outer call.
+    A call runs whole when its inputs are computable from the slice's inputs and the cut
+    computes its outputs. The calls inside it run too, also those whose own equations
+    feed nothing but state (the averages a batch norm keeps in submodules of its own, a
+    block's statistics of a value it then drops).
     """
     calls = [c for c in graph.calls if c.is_module and c.loop is None]
     spans = [(c.start, c.stop) for c in calls]
     taking_part = analysis.spans_with(spans, set(result.eqns), len(graph.eqns))
-    made = {v for i in result.eqns for v in graph.eqns[i].outs} | set(input_ids)
-    finished = [c for c, yes in zip(calls, taking_part, strict=True) if yes and _returns(c, made)]
-    nested = _inside(calls, finished, len(graph.eqns))
-    running = {c.path for c, a, b in zip(calls, taking_part, nested, strict=True) if a or b}
-    return running, {c.path for c in calls}
+    made = {v for i in result.eqns for v in graph.eqns[i].outs}
+    taking = [c for c, yes in zip(calls, taking_part, strict=True) if yes]
+    whole = [c for c in taking if _runs_whole(c, made, computable)]
+    inside = _inside(calls, whole, len(graph.eqns))
+    participating = {c.path for c in taking}
+    nested = {c.path for c, yes in zip(calls, inside, strict=True) if yes}
+    return participating, nested, {c.path for c in calls}
 
 
-def _returns(call: Any, made: set[int]) -> bool:
-    """Whether all of a call's output values are among `made` (and it has some)."""
-    ids = [s.id for s in call.out_slots if s.id is not None]
-    return bool(ids) and all(v in made for v in ids)
+def _runs_whole(call: Any, made: set[int], computable: Container[int]) -> bool:
+    """Whether the slice computes a call's outputs (or they pass its inputs through)
+    from inputs it can compute."""
+    if not _ids_within(call.in_slots, computable):
+        return False
+    passed = {s.id for s in call.in_slots}
+    outs = [s.id for s in call.out_slots if s.id is not None]
+    return bool(outs) and all(v in made or v in passed for v in outs)
+
+
+def _ids_within(slots: Any, values: Container[int]) -> bool:
+    """Whether a call side has array values, all of them among `values`."""
+    ids = [s.id for s in slots if s.id is not None]
+    return bool(ids) and all(v in values for v in ids)
 
 
 def _inside(calls: list[Any], outer: list[Any], size: int) -> list[bool]:

@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._core.markers import Origin, call_marked, new_record
-from .._errors import UnsupportedTargetError
+from .._errors import InvalidSpecError, UnsupportedTargetError
 from .._trees import path_names
-from ._base import Adapter, Split, count_by_prefix, split_kwargs
+from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
 
 _SKIPPED_METHODS = frozenset({"__init__"})
 
@@ -38,6 +38,12 @@ RNG_HINT = (
     "slice does not: pass the key Haiku's `apply` takes, e.g. `sub(x, rngs=key)` (or "
     "`rngs=key` to js.slice)."
 )
+RNG_KEYWORD = (
+    "jaxslice passes Haiku's `rng` as `rngs=key` (the keyword every jaxslice call takes "
+    "for random keys): js.slice(f, params, x, end=..., rngs=key), sub(x, rngs=key)."
+)
+#: the arguments Haiku's ``apply`` adds in front of the function's own
+_APPLY_ARGUMENTS = frozenset({"params", "param", "state", "rng"})
 EDIT_REFUSAL = (
     "js.edit does not take Haiku functions: edit the function that builds the network "
     "(add or replace modules in it), transform it again, then slice it with js.slice."
@@ -100,6 +106,8 @@ class HaikuAdapter(Adapter):
         if len(args) < given:
             state, state_arg = (" and state", ", state") if stateful else ("", "")
             raise UnsupportedTargetError(NO_VARIABLES.format(state=state, state_arg=state_arg))
+        if "rng" in kwargs:
+            raise InvalidSpecError(RNG_KEYWORD)
         kwargs = dict(kwargs)
         rngs = kwargs.pop("rngs", None)
         mutable = kwargs.pop("mutable", False)
@@ -122,6 +130,10 @@ class HaikuAdapter(Adapter):
             return result, None
         out, state = result
         return out, {"state": state}
+
+    def accepted_keywords(self, target: Any) -> set[str] | None:
+        names = keywords_of(target.apply)
+        return None if names is None else names - _APPLY_ARGUMENTS
 
     def error_hint(self, error: BaseException) -> str:
         # Haiku does not export the class: it is known by its name.
