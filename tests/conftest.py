@@ -290,6 +290,28 @@ def import_keras() -> Any:
     return keras
 
 
+def keras_block_model(keras: Any) -> Any:
+    """A small functional Keras model: stem, BatchNormalization, relu, a layer with
+    sublayers (``block``: a(x) -> tanh -> b, plus a residual add) and a head."""
+
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.a = keras.layers.Dense(6, name="a")
+            self.b = keras.layers.Dense(6, name="b")
+
+        def call(self, x):
+            return self.b(keras.ops.tanh(self.a(x))) + x
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((4,))
+    h = keras.layers.Dense(6, name="stem")(inp)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    h = keras.layers.Activation("relu", name="act")(h)
+    h = Block(name="block")(h)
+    return keras.Model(inp, keras.layers.Dense(2, name="head")(h))
+
+
 def random_input(seed: int, shape: tuple[int, ...]) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 

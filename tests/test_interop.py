@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_all_close, import_keras, random_input
+from conftest import assert_trees_all_close, import_keras, keras_block_model, random_input
 
 import jaxslice as js
 
@@ -383,26 +383,7 @@ def _keras_fn(model):
 class _KerasZoo:
     def __init__(self):
         keras = import_keras()
-        keras.utils.set_random_seed(0)
-
-        class Block(keras.layers.Layer):
-            """A layer with sublayers: a(x) -> tanh -> b, plus a residual add."""
-
-            def __init__(self, **kwargs):
-                super().__init__(**kwargs)
-                self.a = keras.layers.Dense(6, name="a")
-                self.b = keras.layers.Dense(6, name="b")
-
-            def call(self, x):
-                return self.b(keras.ops.tanh(self.a(x))) + x
-
-        inp = keras.Input((4,))
-        h = keras.layers.Dense(6, name="stem")(inp)
-        h = keras.layers.BatchNormalization(name="bn")(h)
-        h = keras.layers.Activation("relu", name="act")(h)
-        h = Block(name="block")(h)
-        out = keras.layers.Dense(2, name="head")(h)
-        self.model = keras.Model(inp, out)
+        self.model = keras_block_model(keras)
         bn = self.model.get_layer("bn")  # running statistics that are not the identity
         bn.moving_mean.assign(np.linspace(-0.5, 0.5, 6).astype(np.float32))
         bn.moving_variance.assign(np.linspace(0.5, 2.0, 6).astype(np.float32))

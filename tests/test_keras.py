@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import import_keras
+from conftest import import_keras, keras_block_model
 
 import jaxslice as js
 
@@ -29,32 +29,13 @@ def keras():
     return import_keras()
 
 
-def functional(keras):
-    class Block(keras.layers.Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.a = keras.layers.Dense(6, name="a")
-            self.b = keras.layers.Dense(6, name="b")
-
-        def call(self, x):
-            return self.b(keras.ops.tanh(self.a(x))) + x
-
-    keras.utils.set_random_seed(0)
-    inp = keras.Input((4,))
-    h = keras.layers.Dense(6, name="stem")(inp)
-    h = keras.layers.BatchNormalization(name="bn")(h)
-    h = keras.layers.Activation("relu", name="act")(h)
-    h = Block(name="block")(h)
-    return keras.Model(inp, keras.layers.Dense(2, name="head")(h))
-
-
 def sub_model(keras, model, name):
     """Keras's own feature extractor: a functional model ending at a layer's output."""
     return keras.Model(model.inputs, model.get_layer(name).output)
 
 
 def test_layers_are_the_boundaries_with_their_classes(keras):
-    model = functional(keras)
+    model = keras_block_model(keras)
     table = js.boundaries(model, X)
     assert table.names() == ["stem", "bn", "act", "block", "block/a", "block/b", "head"]
     assert [b.module_type for b in table][:3] == ["Dense", "BatchNormalization", "Activation"]
@@ -64,13 +45,13 @@ def test_layers_are_the_boundaries_with_their_classes(keras):
 
 @pytest.mark.parametrize("name", ["stem", "bn", "block", "head"])
 def test_prefix_slices_equal_keras_sub_models(keras, name):
-    model = functional(keras)
+    model = keras_block_model(keras)
     sub = js.slice(model, X, end=name)
     close(sub(X), sub_model(keras, model, name)([X]))
 
 
 def test_a_slice_holds_only_its_layers_variables_keyed_by_path(keras):
-    model = functional(keras)
+    model = keras_block_model(keras)
     head = js.slice(model, X, start="block")
     assert jax.tree.map(jnp.shape, head.variables) == {
         "trainable": {
@@ -86,7 +67,7 @@ def test_a_slice_holds_only_its_layers_variables_keyed_by_path(keras):
 
 
 def test_gradients_equal_those_of_stateless_call(keras):
-    model = functional(keras)
+    model = keras_block_model(keras)
     head = js.slice(model, X, start="block")
     feats = sub_model(keras, model, "act")([X])
     got = jax.grad(lambda v: jnp.sum(head.apply(v, feats) ** 2))(head.variables)
@@ -102,7 +83,7 @@ def test_gradients_equal_those_of_stateless_call(keras):
 
 
 def test_training_mode_returns_moving_statistics_only_when_asked(keras):
-    model = functional(keras)
+    model = keras_block_model(keras)
     train = js.slice(model, X, end="bn", training=True)
     with pytest.raises(js.SliceError, match="non_trainable"):
         train(X)  # the moving statistics change: never silently dropped
@@ -118,7 +99,7 @@ def test_training_mode_returns_moving_statistics_only_when_asked(keras):
 
 
 def test_merge_assigns_trained_values_to_the_model(keras):
-    model = functional(keras)
+    model = keras_block_model(keras)
     head = js.slice(model, X, start="head")
     stem_kernel = model.get_layer("stem").kernel.value
     trained = jax.tree.map(lambda a: a + 1.0, head.variables)
@@ -167,7 +148,7 @@ def test_a_shared_layer_and_a_sequential_model(keras):
 
 
 def test_clear_errors(keras):
-    model = functional(keras)
+    model = keras_block_model(keras)
     with pytest.raises(js.SliceError, match="block/a"):
         js.slice(model, X, end="block/c")
     with pytest.raises(js.SliceError, match="Keras"):

@@ -575,3 +575,22 @@ def test_module_called_three_times_in_a_python_loop():
     sub = js.slice(model, variables, x, start="d@2:output", end=None)
     t = jnp.asarray(np.linspace(-2, 2, 8).reshape(2, 4), jnp.float32)
     assert_trees_all_close(sub(t), np.tanh(np.asarray(t)))
+
+
+def test_a_named_start_whose_values_derive_from_the_inputs_is_taken_not_dropped():
+    """With the model's inputs among the starts, values derived from them outside any
+    module are computed again; a named start made only of such values is still taken."""
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return {"y": nn.Dense(3, name="dense")(jnp.tanh(x)), "x": x}
+
+    model, x = Net(), jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    variables = model.init(jax.random.key(0), x)
+    sub = js.slice(model, variables, x, start=["dense", None])
+    h = jnp.ones((2, 4))  # not tanh(x): the given value is what the slice uses
+    got = sub(h, x)
+    p = variables["params"]["dense"]
+    np.testing.assert_allclose(got["y"], h @ p["kernel"] + p["bias"], rtol=1e-6)
+    np.testing.assert_allclose(got["x"], x)

@@ -94,7 +94,7 @@ def _frame(graph: Graph, start: Any, end: Any, suggest: bool = True) -> Plan:
     starts = resolve_starts(graph, resolver, start)
     start_ports = starts or (Port(None, graph.model_input_call(), INPUT),)
     fixed = _recomputed(graph, start_ports)
-    arguments = tuple(a for p in start_ports for a in arguments_of(graph, p, fixed))
+    arguments = tuple(a for p in start_ports for a in _taken(graph, p, fixed))
     works = (lambda specs: _plannable(graph, specs, end)) if suggest else (lambda specs: False)
     diagnose.check_inputs(graph, arguments, works)
     ends = resolve_ends(graph, resolver, end)
@@ -114,6 +114,13 @@ def _recomputed(graph: Graph, ports: tuple[Port, ...]) -> frozenset[int]:
     if len(ports) < 2 or all(p.spec is not None for p in ports):
         return frozenset()
     return graph.derived_from_inputs()
+
+
+def _taken(graph: Graph, port: Port, fixed: frozenset[int]) -> list[Any]:
+    """The arguments a start port contributes: all of them when the slice would compute
+    every one of its values again (a start the user names is never dropped whole)."""
+    found = arguments_of(graph, port, fixed)
+    return found if found or port.spec is None else arguments_of(graph, port)
 
 
 def _plannable(graph: Graph, specs: list[Any], end: Any) -> bool:

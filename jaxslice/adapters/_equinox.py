@@ -38,6 +38,7 @@ from .._trees import (
     abstract_tree,
     describe_aval,
     is_traced_leaf,
+    path_names,
     path_str,
     shape_key,
     tree_key,
@@ -99,10 +100,6 @@ def modules_of(model: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, 
     return found
 
 
-def _names(path: tuple[Any, ...]) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "name", getattr(k, "idx", getattr(k, "key", k)))) for k in path)
-
-
 def node_at(tree: Any, path: tuple[Any, ...]) -> Any:
     """The node of `tree` at a key path (attributes, indices and dict keys)."""
     for key in path:
@@ -142,7 +139,7 @@ class EquinoxAdapter(Adapter):
 
         model = eqx.combine(call.variables, target)
         found = modules_of(model)
-        paths = {id(m): _names(p) for p, m in found if p}
+        paths = {id(m): path_names(p) for p, m in found if p}
         with marked_calls(paths, callable_classes(m for _, m in found)):
             return model(*call.args, **call.kwargs), None
 
@@ -160,7 +157,7 @@ class EquinoxAdapter(Adapter):
         return count_by_prefix(leaf_sizes(variables))
 
     def own_parameter_modules(self, variables: Any) -> set[tuple[str, ...]] | None:
-        modules = [_names(p) for p, _ in modules_of(variables)]
+        modules = [path_names(p) for p, _ in modules_of(variables)]
         owners = set()
         for path in leaf_sizes(variables):
             owners.add(max((m for m in modules if path[: len(m)] == m), key=len))
@@ -239,7 +236,7 @@ def _slice_class() -> type:
         @property
         def paths(self) -> tuple[str, ...]:
             """Where each of `parts` sits in the model (``layers/0``)."""
-            return tuple("/".join(_names(p)) for p in self.programs.paths)
+            return tuple("/".join(path_names(p)) for p in self.programs.paths)
 
         def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
             program = self.programs.for_parts(self.parts)
