@@ -116,10 +116,11 @@ def test_attention_is_a_layer_and_starts_follow_the_call(keras):
             super().__init__(**kwargs)
             self.attn = keras.layers.MultiHeadAttention(2, 4, name="attn")
             self.ffn = keras.layers.Dense(8, name="ffn")
+            self.drop = keras.layers.Dropout(0.2, name="drop")
 
         def call(self, x, padding_mask=None):
             h = x + self.attn(x, x, attention_mask=padding_mask)
-            return self.ffn(h)
+            return self.drop(self.ffn(h))
 
     keras.utils.set_random_seed(1)
     tokens = keras.Input((5, 8))
@@ -131,8 +132,20 @@ def test_attention_is_a_layer_and_starts_follow_the_call(keras):
     names = js.boundaries(model, [x, m]).names()
     assert names[:2] == ["encoder", "encoder/attn"]
     assert not any("->" in n for n in names)  # no einsum equations as boundaries
+    table = js.boundaries(model, [x, m])
+    assert "encoder/drop" in table.names()
+    for b in table:  # parameters as Keras counts them (a Dropout's seed state is none)
+        assert b.param_count == _layer_at(model, b.name).count_params(), b.name
     sub = js.slice(model, [x, m], start="encoder", end="encoder")
     close(sub(x, padding_mask=m), enc(x, padding_mask=m))  # the call's own order
+
+
+def _layer_at(model, name):
+    """The layer at a boundary's path, found by layer names from the model down."""
+    layer = model
+    for part in name.split("/"):
+        (layer,) = [c for c in layer._flatten_layers(include_self=False) if c.name == part]
+    return layer
 
 
 def test_a_shared_layer_and_a_sequential_model(keras):

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from .._errors import UnsupportedTargetError
 from .._trees import path_names
-from ._base import Adapter, Split, count_by_prefix, keywords_of, leaf_sizes, split_kwargs
+from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
 from ._patching import callable_classes, marked_calls
 
 GROUPS = ("trainable", "non_trainable")
@@ -89,6 +91,17 @@ def _nested(pairs: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
     return out
 
 
+def _weights(variables: Any) -> dict[tuple[str, ...], int]:
+    """Sizes of the variables Keras counts as weights: floating point, so not the
+    integer states of random-seed generators (a `Dropout` has no parameters)."""
+    flat = jax.tree_util.tree_flatten_with_path(variables)[0]
+    return {
+        path_names(p): int(x.size)
+        for p, x in flat
+        if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+    }
+
+
 def _read(tree: dict[str, Any], key: tuple[str, ...]) -> Any:
     for part in key:
         tree = tree[part]
@@ -148,10 +161,10 @@ class KerasAdapter(Adapter):
         return path_names(path)[1:-1]  # after the group, before the variable's name
 
     def own_parameter_modules(self, variables: Any) -> set[tuple[str, ...]] | None:
-        return {path[1:-1] for path in leaf_sizes(variables)}
+        return {path[1:-1] for path in _weights(variables)}
 
     def parameter_counts(self, variables: Any) -> dict[str, int]:
-        return count_by_prefix({path[1:]: size for path, size in leaf_sizes(variables).items()})
+        return count_by_prefix({path[1:]: size for path, size in _weights(variables).items()})
 
     def edit_refusal(self) -> str | None:
         return EDIT_REFUSAL
