@@ -169,3 +169,22 @@ def test_clear_errors(keras):
     unbuilt = keras.Sequential([keras.layers.Dense(3)])
     with pytest.raises(js.SliceError, match="build it first"):
         js.slice(unbuilt, X)
+
+
+def test_two_variables_with_one_name_keep_their_own_values(keras):
+    class Two(keras.layers.Layer):
+        def build(self, shape):
+            self.w1 = self.add_weight(shape=(shape[-1], 3), name="w")
+            self.w2 = self.add_weight(shape=(3, 3), name="w")
+
+        def call(self, x):
+            return x @ self.w1 @ self.w2
+
+    inp = keras.Input((4,))
+    model = keras.Model(inp, Two(name="two")(inp))
+    sub = js.slice(model, X, end="two")
+    assert jax.tree.map(jnp.shape, sub.variables) == {
+        "trainable": {"two": {"w": (4, 3), "w_1": (3, 3)}}
+    }
+    layer = model.get_layer("two")
+    close(sub(X), X @ layer.w1.value @ layer.w2.value)

@@ -21,6 +21,7 @@ call, so traces never stop early.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -73,12 +74,26 @@ def variable_keys(model: Any) -> dict[int, tuple[str, ...]]:
     """``id(variable) -> (group, *layer path, name)`` for every variable of `model`,
     keyed under the innermost layer that holds it."""
     keys: dict[int, tuple[str, ...]] = {}
+    taken: set[tuple[str, ...]] = set()
     layers = sorted(layer_paths(model).values(), key=lambda item: -len(item[0]))
     for path, layer in layers:  # innermost first: a variable belongs to its own layer
         for v in layer.variables:
-            group = GROUPS[0] if v.trainable else GROUPS[1]
-            keys.setdefault(id(v), (group, *path, v.name))
+            if id(v) not in keys:
+                keys[id(v)] = _unique(
+                    (GROUPS[0] if v.trainable else GROUPS[1], *path), v.name, taken
+                )
     return keys
+
+
+def _unique(prefix: tuple[str, ...], name: str, taken: set[tuple[str, ...]]) -> tuple[str, ...]:
+    """``prefix + (name,)``, or with ``_1``, ``_2``, ... added to a name already taken
+    (two variables of one layer with the same name must not share a key)."""
+    key, k = (*prefix, name), 0
+    while key in taken:
+        k += 1
+        key = (*prefix, f"{name}_{k}")
+    taken.add(key)
+    return key
 
 
 def _nested(pairs: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
@@ -96,7 +111,7 @@ def _weights(variables: Any) -> dict[tuple[str, ...], int]:
     integer states of random-seed generators (a `Dropout` has no parameters)."""
     flat = jax.tree_util.tree_flatten_with_path(variables)[0]
     return {
-        path_names(p): int(x.size)
+        path_names(p): math.prod(jax.numpy.shape(x))
         for p, x in flat
         if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
     }
