@@ -309,3 +309,11 @@ def test_merge_refuses_trained_parts_of_another_shape_or_dtype():
     cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, head)
     with pytest.raises(js.VariablesMismatchError, match="bfloat16"):
         head.merge(model, cast)
+
+
+def test_a_batch_given_to_a_one_example_slice_is_an_error_with_the_fix():
+    model = eqx.nn.MLP(3, 2, 8, 2, key=KEYS[0])
+    sub = js.slice(model, jnp.ones(3), end="layers/1")
+    with pytest.raises(js.SliceError, match="jax.vmap\\(sub\\)"):
+        sub(jnp.ones((5, 3)))
+    close(jax.vmap(sub)(jnp.ones((5, 3)))[0], sub(jnp.ones(3)))

@@ -197,3 +197,24 @@ def test_haiku_transforms_inside_the_function():
     want = jnp.tanh(h @ cell["w"] + cell["b"]) @ cell["w"] + cell["b"]  # iteration 1, by hand
     close(js.slice(f, params, x, end="cell[1]")(x), want)
     close(js.slice(f, params, x)(x), f.apply(params, x))
+
+
+def test_slices_from_several_threads_agree():
+    import threading
+
+    f = hk.without_apply_rng(hk.transform(mlp_fn))
+    params = f.init(jax.random.key(0), X)
+    first = params["mlp/~/linear_0"]
+    want = X @ first["w"] + first["b"]
+    got = [None] * 4
+
+    def work(i):
+        got[i] = js.slice(f, params, X, end="mlp/~/linear_0")(X)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for value in got:
+        close(value, want)

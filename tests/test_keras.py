@@ -188,3 +188,24 @@ def test_two_variables_with_one_name_keep_their_own_values(keras):
     }
     layer = model.get_layer("two")
     close(sub(X), X @ layer.w1.value @ layer.w2.value)
+
+
+def test_two_models_sliced_from_several_threads(keras):
+    import threading
+
+    models = [keras_block_model(keras), keras_block_model(keras)]
+    for v in models[1].trainable_variables:
+        v.assign(v.value * 2.0)
+    want = [sub_model(keras, m, "block")([X]) for m in models]
+    got = [None] * 4
+
+    def work(i):
+        got[i] = js.slice(models[i % 2], X, end="block")(X)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, value in enumerate(got):
+        close(value, want[i % 2])

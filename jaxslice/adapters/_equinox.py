@@ -59,6 +59,10 @@ EDIT_REFUSAL = (
     "`eqx.tree_at(lambda m: m.head, model, eqx.nn.Sequential([model.head, adapter]))`), "
     "then slice it with js.slice."
 )
+BATCH_HINT = (
+    "\nEquinox models compute one example per call: if these inputs are a batch, call "
+    "`jax.vmap(sub)(x)` (the slice was made with one example)."
+)
 NOT_HELD = (
     "The slice reads variables it does not hold: {paths}. Its parts were replaced by "
     "modules of another structure; slice the changed model again."
@@ -162,6 +166,9 @@ class EquinoxAdapter(Adapter):
         for path in leaf_sizes(variables):
             owners.add(max((m for m in modules if path[: len(m)] == m), key=len))
         return owners
+
+    def error_hint(self, error: BaseException) -> str:
+        return BATCH_HINT if isinstance(error, (TypeError, ValueError)) else ""
 
     def slice_view(self, target: Any, program: Any) -> Any:
         return _slice_class()(target, program)
