@@ -209,3 +209,74 @@ def test_two_models_sliced_from_several_threads(keras):
         t.join()
     for i, value in enumerate(got):
         close(value, want[i % 2])
+
+
+def test_training_reaches_sublayers_as_in_an_eager_call(keras):
+    """`training=True` reaches a sublayer as `model(x, training=True)` passes it (through
+    Keras's call context), also when the model's `call` does not take it or pass it on."""
+    x = np.random.RandomState(7).randn(8, 4).astype(np.float32)
+
+    class Quiet(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.d = keras.layers.Dense(4, name="d")
+            self.bn = keras.layers.BatchNormalization(name="bn")
+
+        def call(self, x):
+            return self.bn(self.d(x))
+
+    class Deaf(Quiet):
+        def call(self, x, training=None):  # takes `training` but does not pass it on
+            return self.bn(self.d(x))
+
+    for cls in (Quiet, Deaf):
+        model = cls()
+        model(x)
+        sub = js.slice(model, x, end="bn", training=True, mutable=True)
+        out, updates = sub.apply(sub.variables, x, mutable=True)
+        np.testing.assert_allclose(out, model(x, training=True), rtol=1e-5, atol=1e-5)
+        assert set(updates["non_trainable"]["bn"]) == {"moving_mean", "moving_variance"}
+
+
+def test_intermediates_in_both_modes_and_from_several_threads(keras):
+    import threading
+
+    x = np.random.RandomState(8).randn(8, 4).astype(np.float32)
+    inp = keras.Input((4,))
+    h = keras.layers.Dense(4, name="a")(inp)
+    h = keras.layers.BatchNormalization(momentum=0.5, name="bn")(h)
+    model = keras.Model(inp, keras.layers.Dense(2, name="head")(h))
+    upto = lambda name: keras.Model(inp, model.get_layer(name).output)  # noqa: E731
+
+    got = js.intermediates(model, x, names=["a", "bn"])
+    np.testing.assert_allclose(got["bn"], upto("bn")(x, training=False), rtol=1e-5, atol=1e-5)
+    with pytest.raises(js.SliceError, match="mutable"):
+        js.intermediates(model, x, names=["bn"], training=True)
+    bn, a = model.get_layer("bn"), np.asarray(upto("a")(x))
+    want = 0.5 * np.asarray(bn.moving_mean.value) + 0.5 * a.mean(0)  # Keras's update rule
+    got, updates = js.intermediates(model, x, names=["bn"], training=True, mutable=True)
+    # (the eager training call below updates the model's own statistics, as Keras does)
+    np.testing.assert_allclose(got["bn"], upto("bn")(x, training=True), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(updates["non_trainable"]["bn"]["moving_mean"], want, rtol=1e-5)
+
+    results = [None] * 4
+
+    def work(k):
+        results[k] = np.asarray(js.slice(model, x, start="bn", end="head")(a))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        np.testing.assert_allclose(r, model(x, training=False), rtol=1e-5, atol=1e-5)
+
+
+def test_rngs_are_refused_with_advice(keras):
+    x = np.ones((2, 4), np.float32)
+    inp = keras.Input((4,))
+    model = keras.Model(inp, keras.layers.Dropout(0.5, name="drop")(inp))
+    sub = js.slice(model, x, end="drop")
+    with pytest.raises(js.SliceError, match="seed generators"):
+        sub.apply(sub.variables, x, rngs={"dropout": jax.random.key(0)})

@@ -1,6 +1,8 @@
 """Keras 3 on JAX: ``js.slice(model, *inputs, ...)`` for a `keras.Layer` or `keras.Model`.
 
-The model is called through `stateless_call`, so its variables are traced values. They
+The model is called as `stateless_call` calls it, with its variables replaced by traced
+values (`keras.StatelessScope`), but through ``__call__``, so ``training=True`` reaches
+every layer through Keras's call context as in ``model(x, training=True)``. They
 are grouped as Keras groups them, ``{"trainable": ..., "non_trainable": ...}``, each
 nested by layer path and variable name (``{"block": {"a": {"kernel": ...}}}``), the
 same paths the boundaries have. Like linen's collections: `sub.variables` holds the
@@ -26,7 +28,7 @@ from typing import Any
 
 import jax
 
-from .._errors import UnsupportedTargetError
+from .._errors import InvalidSpecError, UnsupportedTargetError
 from .._trees import path_names
 from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
 from ._patching import callable_classes, marked_calls
@@ -41,6 +43,12 @@ NOT_JAX = (
 NOT_BUILT = (
     "The Keras model has no variables yet: build it first (call it once on a sample "
     "input, or `model.build(input_shape)`), then slice it."
+)
+NO_RNGS = (
+    "A Keras model draws random numbers from its layers' seed generators, whose states "
+    'are variables (the "non_trainable" group); `rngs=` does not apply. Call the '
+    'slice in training mode with `mutable=["non_trainable"]` to get the advanced '
+    "seed states back, and pass them in the next call."
 )
 EDIT_REFUSAL = (
     "js.edit does not take Keras models: edit one with Keras itself (a functional model "
@@ -142,15 +150,24 @@ class KerasAdapter(Adapter):
         return Split(variables, None, tuple(args), inputs, mode, mutable)
 
     def call(self, target: Any, call: Split) -> tuple[Any, Any]:
+        import keras
+
+        if call.rngs is not None:
+            raise InvalidSpecError(NO_RNGS)
         keys = variable_keys(target)
         trainable = [_read(call.variables, keys[id(v)]) for v in target.trainable_variables]
         fixed = [_read(call.variables, keys[id(v)]) for v in target.non_trainable_variables]
         found = layer_paths(target)
         paths = {i: path for i, (path, _) in found.items() if path}
         classes = callable_classes(layer for path, layer in found.values() if path)
-        with marked_calls(paths, classes):
-            out, fixed = target.stateless_call(trainable, fixed, *call.args, **call.kwargs)
-        pairs = zip(target.non_trainable_variables, fixed, strict=True)
+        mapping = [*zip(target.trainable_variables, trainable, strict=True)]
+        mapping += zip(target.non_trainable_variables, fixed, strict=True)
+        # What `stateless_call` does, but through `__call__`, so that `training=` reaches
+        # sublayers through Keras's call context as in `model(x, training=True)`, also
+        # when the model's `call` does not take or pass on `training`.
+        with marked_calls(paths, classes), keras.StatelessScope(state_mapping=mapping) as scope:
+            out = target(*call.args, **call.kwargs)
+        pairs = [(v, scope.get_current_value(v)) for v in target.non_trainable_variables]
         return out, _nested([(keys[id(v)], value) for v, value in pairs])
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
