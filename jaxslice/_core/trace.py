@@ -81,9 +81,16 @@ def _as_list(spec: Any) -> list[Any] | None:
 # Call counts per boundary name of models already traced in full, so that a later trace
 # can stop early without hiding a repeated call (a bare name must stay ambiguous).
 _CALL_COUNTS = LRU(maxsize=64)
+# Graphs of models traced in full, so that a second slice, `js.boundaries` after a slice,
+# `js.intermediates` or `js.edit` of the same model at the same shapes trace nothing.
+_GRAPHS = LRU(maxsize=16)
 
 
 def _counts_key(adapter: Adapter, target: Any, split: Split) -> Any:
+    """What decides a traced program (SPEC "Reliability rules"): the model's structure
+    (or the target itself), the paths, shapes and dtypes of variables, the inputs'
+    structure, shapes, dtypes and fixed values, the mode, `mutable` and the random keys'
+    structure. None when part of it cannot be hashed (nothing is cached then)."""
     structure = adapter.structure_key(target)
     variables = tuple(
         (path, shape_key(x)) for path, x in adapter.flatten_variables(split.variables)[0]
@@ -95,6 +102,7 @@ def _counts_key(adapter: Adapter, target: Any, split: Split) -> Any:
         tree_key((split.args, split.kwargs)),
         tree_key(split.mode),
         tree_key(split.mutable),
+        tree_key(split.rngs),
     )
     try:
         hash(key)
@@ -103,13 +111,17 @@ def _counts_key(adapter: Adapter, target: Any, split: Split) -> Any:
     return key
 
 
-def _remember_counts(key: Any, graph: Graph) -> None:
+def _remember(key: Any, graph: Graph, adapter: Adapter) -> None:
+    """Keeps a complete graph's call counts and, where the model's structure is known,
+    the graph itself."""
     if key is None or graph.partial:
         return
     counts: dict[str, int] = {}
     for call in graph.calls:
         counts[call.name] = counts.get(call.name, 0) + 1
     _CALL_COUNTS.put(key, counts)
+    if adapter.caches_traces:
+        _GRAPHS.put(key, graph)
 
 
 def stop_rule(
@@ -170,19 +182,31 @@ class _Leaves:
 
 
 def trace_split(adapter: Adapter, target: Any, split: Split, stop_at: Any = None) -> Traced:
-    """Traces a target from an existing split (new shapes, a new mode, ...)."""
+    """Traces a target from an existing split (new shapes, a new mode, ...), or takes
+    the graph of the same model traced in full before at the same signature."""
     began = time.perf_counter()
+    key = _counts_key(adapter, target, split)
+    graph = _GRAPHS.get(key) if key is not None else None
+    built = 0.0
+    if graph is None:
+        graph = _trace_widening(adapter, target, split, stop_at)
+        _remember(key, graph, adapter)
+        built = graph.build_seconds
+    counts = adapter.parameter_counts(split.variables)
+    seconds = time.perf_counter() - began
+    return Traced(graph, adapter, target, split, counts, seconds, built)
+
+
+def _trace_widening(adapter: Adapter, target: Any, split: Split, stop_at: Any) -> Graph:
+    """Traces with the `mutable` asked for, or with more where the adapter says the
+    model needs it (see `Adapter.wider_mutable`)."""
     try:
-        graph = _trace_deep(adapter, target, split, split.mutable, stop_at)
+        return _trace_deep(adapter, target, split, split.mutable, stop_at)
     except ModelTraceError as error:
         wider = adapter.wider_mutable(split, error.__cause__)
         if wider is None:
             raise
-        graph = _trace_deep(adapter, target, split, wider, stop_at)
-    _remember_counts(_counts_key(adapter, target, split), graph)
-    counts = adapter.parameter_counts(split.variables)
-    seconds = time.perf_counter() - began
-    return Traced(graph, adapter, target, split, counts, seconds, graph.build_seconds)
+        return _trace_deep(adapter, target, split, wider, stop_at)
 
 
 # Marking adds two Python frames per module level, so a model nested nearly as deep as

@@ -43,6 +43,9 @@ class Adapter:
     has_collections: bool = False
     #: whether the model holds its variables (read with `live_variables`, not passed)
     holds_variables: bool = False
+    #: whether a complete trace may be reused for a model of the same `structure_key`
+    #: (or, without one, the same target) at the same signature
+    caches_traces: bool = True
 
     #: ``(module, class)`` of the models this adapter takes, or None for any callable
     model_class: tuple[str, str] | None = None

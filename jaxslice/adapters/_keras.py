@@ -134,6 +134,9 @@ def _read(tree: dict[str, Any], key: tuple[str, ...]) -> Any:
 class KerasAdapter(Adapter):
     has_collections = True
     state_includes_variables = True  # stateless_call returns every non-trainable variable
+    # A Keras layer's Python attributes (a Dropout's rate, say) may change between calls
+    # and are no part of a cheap key, so every slice traces the model as it is now.
+    caches_traces = False
     model_class = ("keras", "Layer")
 
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:

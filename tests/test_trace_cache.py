@@ -1,0 +1,97 @@
+"""The cache of traced graphs: a model traced in full is not traced again at the same
+signature, and anything that changes the traced program traces it again.
+
+The oracle for "traced" is the model's own Python code running (a counter it bumps);
+the values are checked against the model's own `apply`.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxslice as js
+
+TRACES = {"n": 0}
+
+
+class Counted(nn.Module):
+    """Counts how often its Python code runs (once per trace)."""
+
+    features: int = 4
+
+    @nn.compact
+    def __call__(self, x, scale: float = 1.0):
+        TRACES["n"] += 1
+        h = nn.relu(nn.Dense(self.features, name="body")(x)) * scale
+        return nn.Dense(2, name="head")(h)
+
+
+def _traces(fn):
+    before = TRACES["n"]
+    out = fn()
+    return out, TRACES["n"] - before
+
+
+def test_a_second_slice_boundaries_and_intermediates_trace_nothing():
+    js.clear_caches()
+    model, x = Counted(), jnp.ones((3, 5))
+    variables = model.init(jax.random.key(0), x)
+    _, n = _traces(lambda: js.slice(model, variables, x))  # traced in full
+    assert n >= 1
+    head, n = _traces(lambda: js.slice(model, variables, x, start="head"))
+    assert n == 0
+    _, n = _traces(lambda: js.boundaries(model, variables, x))
+    assert n == 0
+    feats, n = _traces(lambda: js.intermediates(model, variables, x, names=["body"]))
+    assert n == 0
+    want = model.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
+    np.testing.assert_allclose(feats["body"], want[1]["intermediates"]["body"]["__call__"][0])
+    np.testing.assert_allclose(head(jax.nn.relu(feats["body"])), want[0], rtol=1e-6)
+
+
+def test_what_changes_the_program_traces_again():
+    js.clear_caches()
+    model, x = Counted(), jnp.ones((3, 5))
+    variables = model.init(jax.random.key(0), x)
+    js.slice(model, variables, x)
+    _, n = _traces(lambda: js.slice(Counted(), variables, x, end="body"))  # an equal model
+    assert n == 0
+    wide = Counted(features=6)
+    wide_vars = wide.init(jax.random.key(1), x)
+    for change in (
+        lambda: js.slice(model, variables, x.astype(jnp.bfloat16)),  # a dtype
+        lambda: js.slice(model, variables, jnp.ones((4, 5))),  # a shape
+        lambda: js.slice(model, variables, x, scale=2.0),  # a value the trace fixes
+        lambda: js.slice(wide, wide_vars, x),  # the model's structure
+    ):
+        _, n = _traces(change)
+        assert n >= 1
+    scaled = js.slice(model, variables, x, scale=2.0)
+    np.testing.assert_allclose(scaled(x), model.apply(variables, x, 2.0), rtol=1e-6)
+    js.clear_caches()
+    _, n = _traces(lambda: js.slice(model, variables, x))
+    assert n >= 1
+
+
+def test_an_nnx_model_changed_between_calls_is_traced_again():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.body = nnx.Linear(4, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.head = nnx.Linear(4, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.drop(self.body(x)))
+
+    model, x = Net(nnx.Rngs(0)), jnp.ones((3, 4))
+    model.eval()
+    first = js.slice(model, x, end="drop")
+    np.testing.assert_allclose(first(x), model.body(x), rtol=1e-6)
+    model.train()  # a changed graph definition: not the cached eval-mode trace
+    train = js.slice(model, x, end="drop")
+    out = train(x)
+    assert not np.allclose(out, model.body(x))  # dropout ran
