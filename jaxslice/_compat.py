@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -304,3 +305,71 @@ def current_trace() -> Any:
     """
     ctx = getattr(_jax_core, "trace_ctx", None)
     return getattr(ctx, "trace", None) if ctx is not None else None
+
+
+# --------------------------------------------------------------------------- Flax params
+
+# While linen applies a module to existing variables, `Scope.param` checks each
+# parameter's shape against `jax.eval_shape` of its initializer: one trace of the
+# initializer per parameter (a ResNet-50 has 161), about half of the time a cold slice
+# takes. JAX's own initializers (`jax.nn.initializers`, which Flax re-exports) return
+# exactly the shape they are given, so for them the same check reads the shape argument
+# instead, raising the same `ScopeParamShapeError`. Any other initializer, or a call
+# with keyword arguments, goes through Flax's own check. Flax 0.12 (`Scope.param(name,
+# init_fn, *init_args, unbox=True, **init_kwargs)`); the patch is absent where the
+# method is not found.
+_INITIALIZER_MODULES = frozenset({"jax._src.nn.initializers", "jax.nn.initializers"})
+_param_patch: dict[str, Any] = {"users": 0, "original": None}
+_PARAM_LOCK = threading.Lock()
+
+
+def _given_shape(init_fn: Any, init_args: tuple[Any, ...]) -> tuple[int, ...] | None:
+    """The shape `init_fn` returns when it is one of JAX's initializers, else None."""
+    if getattr(init_fn, "__module__", None) not in _INITIALIZER_MODULES or not init_args:
+        return None
+    shape = init_args[0]
+    if not isinstance(shape, (tuple, list)) or not all(isinstance(d, int) for d in shape):
+        return None
+    return tuple(shape)
+
+
+def _quick_param(original: Callable[..., Any]) -> Callable[..., Any]:
+    from flax import errors
+    from flax.core import meta
+
+    def param(self: Any, name: str, init_fn: Any, *init_args: Any, unbox: bool = True, **kw: Any):
+        shape = _given_shape(init_fn, init_args)
+        if shape is None or kw or not self.has_variable("params", name):
+            return original(self, name, init_fn, *init_args, unbox=unbox, **kw)
+        self.reserve(name, "params")
+        value = self.get_variable("params", name)
+        value = meta.unbox(value) if unbox else value
+        for leaf in jax.tree_util.tree_leaves(value):
+            if tuple(jax.numpy.shape(leaf)) != shape:
+                raise errors.ScopeParamShapeError(
+                    name, self.path_text, jax.numpy.shape(leaf), shape
+                )
+        return value
+
+    return param
+
+
+@contextlib.contextmanager
+def quick_param_checks() -> Iterator[None]:
+    """Inside the block, linen checks the shapes of parameters made by JAX's own
+    initializers without tracing them (reference-counted across threads)."""
+    from flax.core import scope
+
+    with _PARAM_LOCK:
+        if _param_patch["users"] == 0:
+            _param_patch["original"] = scope.Scope.__dict__.get("param")
+            if _param_patch["original"] is not None:
+                scope.Scope.param = _quick_param(_param_patch["original"])
+        _param_patch["users"] += 1
+    try:
+        yield
+    finally:
+        with _PARAM_LOCK:
+            _param_patch["users"] -= 1
+            if _param_patch["users"] == 0 and _param_patch["original"] is not None:
+                scope.Scope.param = _param_patch["original"]

@@ -550,6 +550,7 @@ def test_grad_of_jitted_vmapped_slice(model, variables, head, target):
 
 
 def test_traces_are_cached_per_shape_and_mode(model, variables, x):
+    js.clear_caches()  # no graph of this model traced by other tests
     sub = js.slice(model, variables, x, start="fc1", train=False)
     h1, h2 = rand(30, H_SHAPE), rand(31, H_SHAPE)
     key = {"dropout": jax.random.key(0)}

@@ -233,10 +233,14 @@ class Resolver:
         return tuple(path)
 
     def _check_literal(self, spec: str, base: str) -> None:
-        """A name that is also, written literally, a module's own name is ambiguous."""
+        """A name that is also, written literally, a module's own name is ambiguous,
+        unless the table lists it as a call's name (``b@1``, the second call of a module
+        ``b``), where the module itself is listed escaped (``b\\@1``)."""
         literal = spec.replace(":", "\\:").replace("@", "\\@")
+        listed = any(c.qualname == spec for c in self.by_name.get(base, ()))
         if (
-            literal != spec
+            not listed
+            and literal != spec
             and "\\" not in spec
             and literal in self.by_name
             and base in self.by_name

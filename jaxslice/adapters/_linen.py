@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .. import _compat
 from .._core.markers import Origin, call_marked, new_record
 from .._errors import UnsupportedTargetError
 from .._trees import key_name, path_names
@@ -88,7 +89,7 @@ class LinenAdapter(Adapter):
         import flax.linen as nn
 
         extra = {} if call.rngs is None else {"rngs": call.rngs}
-        with nn.intercept_methods(_interceptor):
+        with nn.intercept_methods(_interceptor), _compat.quick_param_checks():
             result = target.apply(
                 call.variables, *call.args, **extra, mutable=call.mutable, **call.kwargs
             )
