@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import captured, random_variables
+from conftest import TinyResNet, captured, count_compiles, random_variables
 
 import jaxslice as js
 
@@ -718,3 +718,36 @@ def test_nnx_model_reads_current_state():
     t.update(x)
     assert t.result()["TKNC"]["layers"]["stem"] == 0.25
     assert_result(t.result(), oracle())
+
+
+# =========================================================================== compiles
+
+
+def test_construction_compiles_nothing_and_each_step_once():
+    """A tracker is built from the layers' shapes: no eager computation per layer (the
+    input shape is used by no other test, so nothing is in JAX's caches beforehand). The
+    empty states go into the compiled steps as they are: one compile per step."""
+    x = rand(40, (3, 9, 7, 3))  # odd sizes: layer shapes no other test compiles for
+    model = TinyResNet()
+    variables = random_variables(model, x)
+    crits = [C.NC(0.5), C.KMNC(3), C.NBC(), C.SNAC(), C.TKNC(2), C.SignSign(capacity=16)]
+    with count_compiles() as built:
+        t = C.Tracker(model, variables, x, criteria=crits, granularity="element")
+    assert len(t.layers) > 5 and built.compiles == 0
+    with count_compiles() as profiled:
+        t.profile([x])
+    with count_compiles() as first:
+        t.update(x)
+    with count_compiles() as second:
+        t.update(x)
+    assert (profiled.compiles, first.compiles, second.compiles) == (1, 1, 0)
+
+
+def test_scalar_layer_is_refused_by_name():
+    total = js.mark("total", lambda p, x: jnp.sum(x * p))
+
+    def f(p, x):
+        return total(p, x)
+
+    with pytest.raises(js.SliceError, match="'total'"):
+        C.Tracker(f, jnp.ones(()), jnp.ones((2, 3)), criteria=[C.NC(0.5)], layers=["total"])

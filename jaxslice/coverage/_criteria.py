@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._errors import InvalidSpecError
 from ..observe import Moments
@@ -41,6 +42,8 @@ class Criterion:
         return list(layers)
 
     def init(self, sizes: list[int]) -> Any:
+        """The empty state for layers of `sizes` neurons. Host (numpy) arrays keep making a
+        tracker free of compiles; the compiled update takes them as they are."""
         raise NotImplementedError
 
     def update(
@@ -58,7 +61,7 @@ class _Flags(Criterion):
     default), each flag set once some input covers it."""
 
     def init(self, sizes: list[int]) -> Any:
-        return [jnp.zeros((n,), bool) for n in sizes]
+        return [np.zeros((n,), bool) for n in sizes]
 
     def counts(self, state):
         return [(jnp.sum(s), s.size) for s in state]
@@ -128,7 +131,7 @@ class KMNC(_Flags):
         self.k = _check_int("KMNC k", k)
 
     def init(self, sizes):
-        return [jnp.zeros((n, self.k), bool) for n in sizes]
+        return [np.zeros((n, self.k), bool) for n in sizes]
 
     def update(self, state, values, scaled, profile):
         return [
@@ -147,7 +150,7 @@ class NBC(Criterion):
     needs_profile = True
 
     def init(self, sizes):
-        return [(jnp.zeros((n,), bool), jnp.zeros((n,), bool)) for n in sizes]
+        return [(np.zeros((n,), bool), np.zeros((n,), bool)) for n in sizes]
 
     def update(self, state, values, scaled, profile):
         return [
@@ -218,9 +221,9 @@ class SignSign(Criterion):
         return [f"{a} -> {b}" for a, b in zip(layers[:-1], layers[1:], strict=True)]
 
     def init(self, sizes):
-        pairs = [jnp.zeros((a, b), bool) for a, b in zip(sizes[:-1], sizes[1:], strict=True)]
-        history = [jnp.zeros((self.capacity, n), bool) for n in sizes]
-        return pairs, history, jnp.zeros((), jnp.int32)
+        pairs = [np.zeros((a, b), bool) for a, b in zip(sizes[:-1], sizes[1:], strict=True)]
+        history = [np.zeros((self.capacity, n), bool) for n in sizes]
+        return pairs, history, np.zeros((), np.int32)
 
     def update(self, state, values, scaled, profile):
         pairs, history, count = state

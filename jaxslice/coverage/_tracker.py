@@ -17,12 +17,10 @@ import collections
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import jax
-
 from .. import _compat
 from .._errors import InvalidSpecError, SliceError
 from .._table import PrintsAsTable
-from ..observe import GRANULARITIES, Moments, Observer, neurons, scaled
+from ..observe import GRANULARITIES, Moments, Observer, neuron_count, neurons, scaled
 from ._criteria import KMNC, NBC, NC, SNAC, TKNC, Criterion
 
 _PROFILE, _UPDATE = 0, 1
@@ -30,6 +28,12 @@ _PROFILE, _UPDATE = 0, 1
 PROFILE_NEEDED = (
     "{names} need a profile of the neurons' ranges on training data before use.\n"
     "Call `tracker.profile(train_batches)` first (any iterable of batches)."
+)
+
+SCALAR_LAYERS = (
+    "Coverage takes neurons from a batched output, and {names} output a scalar.\n"
+    "Observe a layer whose output is batched (e.g. the layer that feeds it), or leave it out "
+    "of `layers`."
 )
 
 
@@ -59,8 +63,9 @@ class Tracker:
       position: ``"output"`` (the layer's output) or ``"activation"``.
 
     Raises:
-      SliceError: unknown layers (with suggestions), bad options, criteria used before
-        `profile` when they need one, batches that do not fit the model.
+      SliceError: unknown layers (with suggestions), layers that output a scalar, bad
+        options, criteria used before `profile` when they need one, batches that do not
+        fit the model.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxslice as js
     >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(4)])
@@ -92,9 +97,7 @@ class Tracker:
         self.granularity = granularity
         self._observer = Observer(target, args, kwargs, layers, position)
         self.layers = self._observer.layers
-        self.sizes = [
-            int(neurons(jax.numpy.zeros(s), granularity).shape[1]) for s in self._observer.shapes
-        ]
+        self.sizes = _neuron_counts(self.layers, self._observer.shapes, granularity)
         self._names = _names(self.criteria)
         self._profile: list[Moments] | None = None
         self.reset()
@@ -200,6 +203,14 @@ def _checked_criteria(criteria: Sequence[Criterion] | None) -> list[Criterion]:
             f"`criteria` must be a non-empty list of criteria such as js.coverage.NC(0.5), got {bad or criteria!r}."
         )
     return criteria
+
+
+def _neuron_counts(layers: list[str], shapes: list[tuple[int, ...]], granularity: str) -> list[int]:
+    """Each layer's number of neurons, from its output shape alone (nothing is compiled)."""
+    scalars = [name for name, shape in zip(layers, shapes, strict=True) if not shape]
+    if scalars:
+        raise InvalidSpecError(SCALAR_LAYERS.format(names=", ".join(map(repr, scalars))))
+    return [neuron_count(shape, granularity) for shape in shapes]
 
 
 def _coverage(crit: Criterion, state: Any, layers: list[str]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from ._activations import StatsResult as StatsResult
 from ._moments import Moments as Moments
 from ._observer import GRANULARITIES as GRANULARITIES
 from ._observer import Observer as Observer
+from ._observer import neuron_count as neuron_count
 from ._observer import neurons as neurons
 from ._observer import scaled as scaled
 
@@ -18,6 +19,7 @@ __all__ = [
     "Moments",
     "Observer",
     "StatsResult",
+    "neuron_count",
     "neurons",
     "scaled",
 ]

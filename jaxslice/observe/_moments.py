@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 
 class Moments(NamedTuple):
@@ -22,13 +23,15 @@ class Moments(NamedTuple):
 
     @staticmethod
     def empty(shape: tuple[int, ...]) -> Moments:
+        # Host arrays: an eager `jnp.zeros` compiles once per shape, and a compiled step
+        # takes these as they are.
         return Moments(
-            jnp.zeros((), jnp.float32),
-            jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape, jnp.float32),
-            jnp.full(shape, jnp.inf, jnp.float32),
-            jnp.full(shape, -jnp.inf, jnp.float32),
-            jnp.zeros(shape, jnp.float32),
+            np.zeros((), np.float32),
+            np.zeros(shape, np.float32),
+            np.zeros(shape, np.float32),
+            np.full(shape, np.inf, np.float32),
+            np.full(shape, -np.inf, np.float32),
+            np.zeros(shape, np.float32),
         )
 
     @staticmethod

@@ -13,6 +13,7 @@ dtypes must be those of the sample inputs. Variables are taken when the observer
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,6 +96,14 @@ def neurons(x: Any, granularity: str) -> Any:
     if granularity == "channel":
         return jnp.mean(x, axis=tuple(range(1, x.ndim - 1))) if x.ndim > 2 else x
     return x.reshape(x.shape[0], -1)
+
+
+def neuron_count(shape: Sequence[int], granularity: str) -> int:
+    """How many neurons `neurons` makes of a layer output of `shape` (batch first, at
+    least one axis), worked out from the shape alone so that nothing is computed."""
+    if len(shape) == 1:
+        return 1
+    return int(shape[-1]) if granularity == "channel" else math.prod(shape[1:])
 
 
 def scaled(x: Any) -> Any:
