@@ -139,13 +139,28 @@ def marking(rule: StopRule | None = None) -> Iterator[list[str]]:
         rule.top = _compat.current_trace()
     failed: list[str] = []
     tokens = (_ACTIVE.set(True), _STOP.set(rule), _FAILED_IN.set(failed))
+    separate = _compat.marking_context() if _MARKED_FUNCTIONS["count"] else contextlib.nullcontext()
     try:
-        with _compat.marking_context():
+        with separate:
             yield failed
     finally:
         _FAILED_IN.reset(tokens[2])
         _STOP.reset(tokens[1])
         _ACTIVE.reset(tokens[0])
+
+
+# How many functions `js.mark` has wrapped in this process. A marked function may sit in
+# a `jax.jit`-ed function that JAX reuses from its cache, traced before without markers;
+# only then are jaxslice's traces kept apart from JAX's caches (`_compat.marking_context`),
+# which costs re-tracing JAX's own jitted helpers once per process and shape. Module calls
+# need no such care: every kind marks them in Python at each trace (a jitted function that
+# holds a module call is made per call, or keyed by structures the marking changes).
+_MARKED_FUNCTIONS = {"count": 0}
+
+
+def note_marked_function() -> None:
+    """Called by `js.mark` for every function it wraps."""
+    _MARKED_FUNCTIONS["count"] += 1
 
 
 def is_marking() -> bool:
