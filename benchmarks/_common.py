@@ -33,13 +33,20 @@ class Config:
     scan_shape: tuple[int, int, int] = (8, 64, 128)  # ...its input: batch, tokens, width
     scan_end: int = 2  # slice(end=f"layers[{scan_end}]")
     scan_start: int = 20  # slice(start=f"layers[{scan_start}]")
+    cold_arch: str = "resnet50"  # rows 13-17: first builds in fresh processes...
+    cold_size: int = 224  # ...of this model on one image of this size...
+    cold_end: tuple[int, int] = (2, 3)  # ...ending at block layer{stage}_{block}
+    cold_rounds: int = 5  # processes per side (alternated)
+    call_rounds: int = 11  # row 16: rounds of alternated batches of calls
 
     @classmethod
     def make(cls, quick: bool) -> Config:
         if quick:
             scan = {"scan_depth": 12, "scan_end": 2, "scan_start": 8}
+            cold = {"cold_arch": "resnet18", "cold_size": 64, "cold_end": (2, 1)}
             archs = ("resnet18", "resnet34")
-            return cls(True, "resnet10", 32, 4, "resnet18", archs, 3, 0.02, 3, 1, **scan)
+            small = {**scan, **cold, "cold_rounds": 1, "call_rounds": 3}
+            return cls(True, "resnet10", 32, 4, "resnet18", archs, 3, 0.02, 3, 1, **small)
         scaling = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
         return cls(False, "resnet50", 64, 8, "resnet50", scaling, 11, 0.2, 9, 2)
 

@@ -191,3 +191,47 @@ def init_variables(model: nn.Module, x: Any, seed: int = 0) -> Any:
         model.init, jax.random.key(seed), jax.ShapeDtypeStruct(x.shape, x.dtype)
     )
     return jax.tree_util.tree_map_with_path(lambda p, s: _fill(rng, p, s), shapes)
+
+
+class TorchNamedResNet(nn.Module):
+    """A ResNet whose top-level modules carry torchvision's names, flattened: ``conv1``,
+    ``bn1``, blocks ``layer1_0``..``layer4_2`` (torchvision's ``layer2.3`` is ``layer2_3``)
+    and ``fc``. With `upto` = (stage, block) it stops after that block: the hand-written
+    truncated model, with the same variable names."""
+
+    stage_sizes: Sequence[int] = (3, 4, 6, 3)
+    bottleneck: bool = True
+    num_classes: int = 1000
+    upto: tuple[int, int] | None = None
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Conv(64, (7, 7), strides=2, use_bias=False, name="conv1")(x)
+        x = nn.relu(_norm(train, "bn1")(x))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        block = Bottleneck if self.bottleneck else Basic
+        for i, n in enumerate(self.stage_sizes):
+            for j in range(n):
+                strides = 2 if i > 0 and j == 0 else 1
+                x = block(64 * 2**i, strides, name=f"layer{i + 1}_{j}")(x, train)
+                if self.upto == (i + 1, j):
+                    return x
+        return nn.Dense(self.num_classes, name="fc")(jnp.mean(x, axis=(1, 2)))
+
+
+def torch_named(arch: str, upto: tuple[int, int] | None = None) -> TorchNamedResNet:
+    """`arch` (a key of ARCHS) with torchvision's module names, whole or up to `upto`."""
+    sizes, bottleneck = ARCHS[arch]
+    return TorchNamedResNet(sizes, bottleneck, 1000, upto)
+
+
+class Mlp(nn.Module):
+    """A tiny MLP (``fc1``, ``fc2``, ``fc3``); with `upto` = 2 it stops after ``fc2``."""
+
+    upto: int = 3
+
+    @nn.compact
+    def __call__(self, x):
+        for i, width in enumerate((64, 64, 10)[: self.upto]):
+            x = nn.Dense(width, name=f"fc{i + 1}")(nn.relu(x) if i else x)
+        return x

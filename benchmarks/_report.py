@@ -28,7 +28,9 @@ def header(cfg: Config) -> str:
         f"{cfg.rounds} rounds of ~{cfg.round_s}s (calls alternated); builds: {cfg.build_arch}, "
         f"{cfg.reps} reps (alternated, fresh model each); scanned rows: {cfg.scan_depth} "
         f"transformer blocks in one nn.scan on {'x'.join(map(str, cfg.scan_shape))} "
-        "(batch x tokens x width); medians."
+        f"(batch x tokens x width); cold rows: {cfg.cold_arch} on {cfg.cold_size}x"
+        f"{cfg.cold_size}x3, batch 1, {cfg.cold_rounds} fresh processes per side "
+        "(alternated); medians."
     )
 
 

@@ -24,6 +24,14 @@ Groups (``--only``), each a module here:
                layers[20]->output                                          <= 4/24 + 0.05
            11. js.intermediates("layers[:]") / capture_intermediates, unrolled  <= 1.1
            12. XLA compile of those two slices / of the full scanned model   <= 1.0
+  cold     first builds, each timed in a fresh process (processes of both sides alternated;
+           ResNet-50 with torchvision's module names, 224x224, batch 1; see `cold`):
+           13. js.slice(end="layer2_3") / torchvision create_feature_extractor   <= 0.8
+           14. a repeat slice of the traced model / torchvision build            <= 0.1
+           15. first feature map (build, compile, call) / jax.jit hand-written    <= 1.05
+           16. sub(x) per call / a plain jitted function, tiny MLP, warm         <= 1.1
+           17. first coverage.Tracker / first js.intermediates of its layers     <= 1.2
+           (13 and 14 are skipped without torch and torchvision)
 
 Only the public API of jaxslice is used. The exit status is 1 when a retrace count (exact)
 misses its target or a slice computes a wrong result, and, with ``--strict``, when any
@@ -49,6 +57,7 @@ GROUPS = {
     "builds": "builds",
     "torch": "torchvision_row",
     "scanned": "scanned",
+    "cold": "cold",
 }
 EXACT = ("8.",)  # rows whose check is noise-free: they fail the run even without --strict
 

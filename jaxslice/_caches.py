@@ -43,6 +43,11 @@ class LRU:
             self._data.move_to_end(key)
             return value
 
+    def peek(self, key: Hashable) -> Any:
+        """The value at `key`, or None, without marking it used and without the lock (a
+        dict read is atomic): for lookups on every call of a compiled slice."""
+        return self._data.get(key)
+
     def put(self, key: Hashable, value: Any) -> None:
         with self._lock:
             self._data[key] = value

@@ -16,7 +16,7 @@ import jax
 from . import _compat
 from ._core.program import SliceProgram
 from ._core.view import ProgramView
-from ._trees import abstract_tree, nest
+from ._trees import abstract_tree
 
 
 class Sliced(ProgramView):
@@ -47,7 +47,10 @@ class Sliced(ProgramView):
         return self._program.variables
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        return self.apply(self.variables, *inputs, **kwargs)
+        if kwargs:
+            return self.apply(self.variables, *inputs, **kwargs)
+        program = self._program  # a call costs what a jitted function's call costs
+        return program.call(program.variables, inputs)
 
     def apply(
         self, variables: Any, *inputs: Any, rngs: Any = None, mutable: Any = False, **kwargs: Any
@@ -72,11 +75,9 @@ class Sliced(ProgramView):
           VariablesMismatchError: if `variables` do not have the paths, shapes and dtypes
             of ``sub.variables``.
         """
-        out = self._program.apply(variables, inputs, kwargs, rngs, mutable)
-        if not mutable:
-            return out
-        values, state = out
-        return values, nest([p for p, _ in state], [v for _, v in state])
+        if rngs is None and mutable is False and not kwargs:
+            return self._program.call(variables, inputs)
+        return self._program.apply(variables, inputs, kwargs, rngs, mutable)
 
     def extract(self, full_variables: Any) -> Any:
         """The slice's part of a model's full variables (the inverse of `merge`).

@@ -8,6 +8,13 @@ new cut. With a `start`, only the batch size may change. Every view users hold â
 the NNX slice module, `js.intermediates`, observers, interpreters, the editor â€” is a thin
 layer over this class's public methods.
 
+Calls (`apply`) go through one `jax.jit` per mode and `mutable`, whose own cache is keyed
+by the structure, shapes and dtypes of the variables and inputs: jaxslice's lookup and
+checks run when that function traces, so a repeated call costs what a jitted function
+costs, and a call whose leaves differ in any way traces, and is checked, again. Arguments
+`jax.jit` cannot take as they are (strings, Python numbers where the trace fixed them) and
+errors are redone on the checked path, which gives the reference behaviour.
+
 The program keeps only what it needs: the variables the slice reads (the original
 arrays, pruned) and the shapes of everything else.
 """
@@ -15,7 +22,9 @@ arrays, pruned) and the shapes of everything else.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,9 +34,18 @@ import jax.numpy as jnp
 from .. import _compat
 from .._caches import LRU
 from .._errors import InputMismatchError, SliceError, VariablesMismatchError
-from .._trees import abstract, abstract_tree, hashable, is_traced_leaf, path_str, prune, tree_key
+from .._trees import (
+    abstract,
+    abstract_tree,
+    hashable,
+    is_traced_leaf,
+    nest,
+    path_str,
+    prune,
+    tree_key,
+)
 from . import emit as emit_
-from . import loops
+from . import loops, verify
 from .plan import Plan, StateRules, plan
 from .trace import Traced, stop_specs, trace, trace_split
 
@@ -60,6 +78,20 @@ class Entry:
     plan: Plan
     fn: Any  # the re-emitted function, not jitted
     jitted: Any
+    #: ``{(variables treedef, strict): leaf positions}`` (`SliceProgram.variable_leaves`)
+    indexes: LRU = dataclasses.field(default_factory=lambda: LRU(MAX_ENTRIES), repr=False)
+
+    @functools.cached_property
+    def variable_avals(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The shape and dtype traced for each variable the entry reads."""
+        return _avals(self, self.plan.variable_ids)
+
+    @functools.cached_property
+    def static_outputs(self) -> bool:
+        """Whether some output leaves are constants of the trace, not arrays (`jax.jit`
+        would turn them into arrays)."""
+        slots = jax.tree_util.tree_leaves(self.plan.output_trees)  # `Slot`s are leaves
+        return len(slots) != len(self.plan.output_ids)
 
 
 def make_entry(traced: Traced, start: Any, end: Any) -> Entry:
@@ -102,9 +134,19 @@ class SliceProgram:
         # Keep shapes, not the model's arrays: re-tracing needs nothing more.
         if not holds:
             traced.split = dataclasses.replace(split, variables=abstract_tree(split.variables))
+        self._verification = verify.start(traced, start, end)
         self._entries = LRU(MAX_ENTRIES)
-        self._entries.put(self._key(self._traced_avals(self.base), split, split.mode), self.base)
-        self._index = LRU(MAX_ENTRIES)
+        self._keywords = frozenset(a.keyword for a in self.base.plan.arguments)
+        base_key = self._key(
+            _signature(self._traced_avals(self.base)), split.rngs, split.mode, split.mutable
+        )
+        self._entries.put(base_key, self.base)
+        #: one `jax.jit` of `apply` per mode and `mutable` (or `_CHECKED`: not jitted)
+        self._jits = LRU(MAX_ENTRIES)
+        # Without a structure key, the target (which a program never swaps) decides the
+        # program: the usual call's key is a constant.
+        fixed = self.adapter.structure_key(self.target) is None
+        self._usual_key = (None,) if fixed else None
 
     @classmethod
     def build(
@@ -133,12 +175,90 @@ class SliceProgram:
         mutable: Any = False,
         strict: bool = True,
     ) -> Any:
-        """Runs the slice with linen's conventions (see `js.Sliced.apply`)."""
+        """Runs the slice with linen's conventions (see `js.Sliced.apply`); with `mutable`,
+        ``(values, state)``, the state nested as linen returns it.
+
+        Through one `jax.jit` per mode and `mutable` where it can (see the module's
+        docstring), else (and to raise any error) through `apply_checked`.
+        """
+        key = self._jit_key(kwargs, rngs, mutable, strict)
+        try:
+            jitted = self._jits.peek(key) or self._new_jitted(key, kwargs, mutable)
+        except TypeError:  # an unhashable mode value or structure key
+            jitted = _CHECKED
+        if jitted is _CHECKED:
+            return self.apply_checked(variables, inputs, kwargs, rngs, mutable, strict)
+        try:
+            return jitted(variables, inputs)
+        except _REDO:
+            pass  # outside the handler, so that an error raised again is not chained
+        return self._redo(key, variables, inputs, kwargs, rngs, mutable, strict)
+
+    def call(self, variables: Any, inputs: tuple[Any, ...]) -> Any:
+        """``apply(variables, inputs, {})``, the usual call (``sub(x)``), by the shortest
+        path: one dict read and the jitted function."""
+        key = self._usual_key or (self.adapter.structure_key(self.target),)  # as `_jit_key`
+        try:
+            jitted = self._jits.peek(key)
+        except TypeError:  # an unhashable structure key
+            jitted = None
+        if jitted is None or jitted is _CHECKED:
+            return self.apply(variables, inputs, {})
+        try:
+            return jitted(variables, inputs)
+        except _REDO:
+            pass
+        return self._redo(key, variables, inputs, {})
+
+    def _redo(self, key: Any, variables: Any, inputs: Any, kwargs: Any, *rest: Any) -> Any:
+        """`apply_checked` after the jitted function failed: it raises the error as jaxslice
+        does, or, if the arguments are fine but not for `jax.jit`, calls of this key are
+        not jitted from now on."""
+        out = self.apply_checked(variables, inputs, kwargs, *rest)
+        self._jits.put(key, _CHECKED)
+        return out
+
+    def apply_checked(
+        self,
+        variables: Any,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        rngs: Any = None,
+        mutable: Any = False,
+        strict: bool = True,
+        jitting: bool = False,
+    ) -> Any:
+        """`apply` with jaxslice's lookup and checks (run as `jax.jit` traces `apply`, with
+        `jitting`, where it fails on outputs that are not arrays)."""
         if not self.adapter.has_collections and (rngs is not None or mutable):
             raise SliceError(NO_COLLECTIONS)
         entry, leaves = self.lookup(inputs, kwargs, rngs, mutable)
+        if jitting and entry.static_outputs:
+            raise _NotJittable(entry)
         var_leaves = self.variable_leaves(entry, variables, strict)
-        return self.run(entry, var_leaves, self.rng_leaves(entry, rngs), leaves, mutable)
+        out = self.run(entry, var_leaves, self.rng_leaves(entry, rngs), leaves, mutable)
+        return _nest_state(*out) if mutable else out
+
+    def _jit_key(self, kwargs: dict[str, Any], rngs: Any, mutable: Any, strict: bool) -> Any:
+        """The key of `apply`'s jitted function for a call, or None where calls of this
+        kind are not jitted: random keys (`jax.jit` would take Python numbers as keys),
+        keyword inputs."""
+        if rngs is not None or not strict or not self._keywords.isdisjoint(kwargs):
+            return None
+        structure = self.adapter.structure_key(self.target)
+        if mutable is False and not kwargs:
+            return (structure,)  # the usual call's key (`call`)
+        collections = tuple(mutable) if isinstance(mutable, list) else mutable
+        return tuple(kwargs.items()), collections, structure
+
+    def _new_jitted(self, key: Any, kwargs: dict[str, Any], mutable: Any) -> Any:
+        """`apply` under `jax.jit` for calls of this key (`_CHECKED` for the None key)."""
+        if key is None:
+            return _CHECKED
+        traced = functools.partial(_jitted_apply, weakref.ref(self), dict(kwargs), mutable)
+        jitted = jax.jit(traced)
+        self._jits.put(key, jitted)
+        return jitted
 
     def apply_full(self, split: Any) -> tuple[Any, list[tuple[Any, Any]]]:
         """Runs a slice that starts at the model's inputs from a split of the full call.
@@ -162,7 +282,7 @@ class SliceProgram:
             return self.variable_leaves(entry, variables, strict=False)
         live = self.adapter.live_variables(self.target)
         leaves = [live[p] for p in entry.plan.variable_paths]
-        check_leaves(entry.plan.variable_paths, leaves, _avals(entry, entry.plan.variable_ids))
+        check_leaves(entry.plan.variable_paths, leaves, entry.variable_avals)
         return leaves
 
     def run(
@@ -176,6 +296,8 @@ class SliceProgram:
         """Runs a compiled entry; with `mutable`, returns ``(outputs, updated_state)``."""
         check_mutable(entry.plan, mutable, self.adapter.has_collections)
         outs = entry.jitted(var_leaves, rng_leaves, leaves)
+        if self._verification is not None:  # a bare end the trace stopped at: is it unique?
+            self._verification.wait()
         n = len(entry.plan.output_ids)
         result = emit_.assemble(entry.plan.output_trees, outs[:n])
         if not mutable:
@@ -186,28 +308,34 @@ class SliceProgram:
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any], rngs: Any, mutable: Any
     ) -> tuple[Entry, list[Any]]:
         """The compiled entry for these arguments (tracing it if new), and the input leaves."""
-        keywords = {a.keyword for a in self.base.plan.arguments}
-        kw_inputs = {k: v for k, v in kwargs.items() if k in keywords}
-        new_mode = {k: v for k, v in kwargs.items() if k not in keywords}
-        self._check_mode(new_mode)
-        split = self.base.traced.split
-        mode = {**split.mode, **new_mode}
-        call = dataclasses.replace(split, mode=mode, rngs=rngs, mutable=mutable)
+        kw_inputs, mode = self._split_kwargs(kwargs)
         leaves = self._input_leaves(inputs, kw_inputs)
-        avals = tuple(abstract(x) for x in leaves)
-        key = self._key(avals, call, call.mode)
+        key = self._key(_signature(leaves), rngs, mode, mutable)
         entry = self._entries.get(key)
         if entry is None:
+            split = self.base.traced.split
+            call = dataclasses.replace(split, mode=mode, rngs=rngs, mutable=mutable)
+            avals = tuple(abstract(x) for x in leaves)
             entry = self._retrace(avals, inputs, kw_inputs, call)
             self._entries.put(key, entry)
         return entry, leaves
 
-    def _key(self, avals: tuple[Any, ...], split: Any, mode: Mapping[str, Any]) -> Any:
+    def _split_kwargs(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(keyword inputs, mode)`` of a call's keyword arguments."""
+        mode = self.base.traced.split.mode
+        if not kwargs:
+            return {}, mode
+        new_mode = {k: v for k, v in kwargs.items() if k not in self._keywords}
+        self._check_mode(new_mode)
+        kw_inputs = {k: v for k, v in kwargs.items() if k in self._keywords}
+        return kw_inputs, {**mode, **new_mode}
+
+    def _key(self, signature: tuple[Any, ...], rngs: Any, mode: Any, mutable: Any) -> Any:
         return (
-            tuple((tuple(a.shape), str(a.dtype)) for a in avals),
-            tree_key(split.rngs),
-            tree_key(dict(mode)),
-            tree_key(split.mutable),
+            signature,
+            _static_key(rngs),
+            tuple(sorted((k, hashable(v)) for k, v in mode.items())),
+            _static_key(mutable),
             hashable(self.adapter.structure_key(self.target)),
         )
 
@@ -296,13 +424,13 @@ class SliceProgram:
     def variable_leaves(self, entry: Entry, variables: Any, strict: bool = True) -> list[Any]:
         """The leaves of `variables` the entry reads, checked against the traced shapes."""
         leaves, treedef = jax.tree_util.tree_flatten(variables)
-        key = (treedef, entry.plan.variable_paths, strict)
-        index = self._index.get(key)
+        # Per entry and treedef: where its paths are was found once, by `_index_variables`.
+        index = entry.indexes.get((treedef, strict))
         if index is None:
             index = self._index_variables(entry, variables, strict)
-            self._index.put(key, index)
+            entry.indexes.put((treedef, strict), index)
         picked = [leaves[i] for i in index]
-        check_leaves(entry.plan.variable_paths, picked, _avals(entry, entry.plan.variable_ids))
+        check_leaves(entry.plan.variable_paths, picked, entry.variable_avals)
         return picked
 
     def _index_variables(self, entry: Entry, variables: Any, strict: bool) -> list[int]:
@@ -497,13 +625,18 @@ NO_STATE = (
 def check_leaves(paths: Any, leaves: list[Any], avals: Any) -> None:
     """Each leaf has the shape and dtype of the variable traced at its path."""
     for path, leaf, aval in zip(paths, leaves, avals, strict=True):
-        shape, dtype = jnp.shape(leaf), getattr(leaf, "dtype", None)
-        if tuple(shape) != tuple(aval.shape) or dtype is None or jnp.dtype(dtype) != aval.dtype:
-            got = f"{jnp.result_type(leaf) if dtype is None else dtype}{list(shape)}"
-            want = f"{aval.dtype}{list(aval.shape)}"
-            raise VariablesMismatchError(
-                LEAF_MISMATCH.format(path=path_str(path), got=got, want=want)
-            )
+        # An array of the right shape and dtype passes at the cost of two comparisons.
+        dtype = getattr(leaf, "dtype", None)
+        if getattr(leaf, "shape", None) != aval.shape or dtype is None or dtype != aval.dtype:
+            _check_leaf(path, leaf, aval)
+
+
+def _check_leaf(path: Any, leaf: Any, aval: Any) -> None:
+    shape, dtype = jnp.shape(leaf), getattr(leaf, "dtype", None)
+    if tuple(shape) != tuple(aval.shape) or dtype is None or jnp.dtype(dtype) != aval.dtype:
+        got = f"{jnp.result_type(leaf) if dtype is None else dtype}{list(shape)}"
+        want = f"{aval.dtype}{list(aval.shape)}"
+        raise VariablesMismatchError(LEAF_MISMATCH.format(path=path_str(path), got=got, want=want))
 
 
 def check_mutable(plan_: Plan, mutable: Any, has_collections: bool) -> None:
@@ -515,6 +648,39 @@ def check_mutable(plan_: Plan, mutable: Any, has_collections: bool) -> None:
     if mutable and not plan_.state_paths:
         wanted = "any collection" if mutable is True else repr(mutable)
         raise SliceError(NO_STATE.format(wanted=wanted, have=list(plan_.state_collections)))
+
+
+#: errors after which `SliceProgram.apply` redoes a call with `apply_checked`: those of
+#: arguments `jax.jit` cannot take (strings, objects), of arguments it converts (Python
+#: numbers become arrays, where jaxslice would leave them alone), and jaxslice's own,
+#: raised again without JAX's frames
+_REDO = (TypeError, SliceError)
+_CHECKED = object()  # calls of this key go through `apply_checked`
+
+
+class _NotJittable(SliceError):
+    """The outputs of this call hold constants of the trace (`Entry.static_outputs`)."""
+
+
+def _jitted_apply(ref: Any, mode: dict[str, Any], mutable: Any, variables: Any, inputs: Any) -> Any:
+    """`SliceProgram.apply` as `jax.jit` traces it: for each new structure, shape and dtype
+    of the variables and inputs, the lookup and every check run again."""
+    return ref().apply_checked(variables, inputs, mode, None, mutable, jitting=True)
+
+
+def _nest_state(values: Any, state: list[tuple[Any, Any]]) -> tuple[Any, Any]:
+    """``(values, state)`` with the state's ``(path, value)`` pairs nested as linen does."""
+    return values, nest([p for p, _ in state], [v for _, v in state])
+
+
+def _signature(leaves: Any) -> tuple[Any, ...]:
+    """The shapes and dtypes of arrays (or avals), hashable."""
+    return tuple((tuple(x.shape), x.dtype) for x in leaves)
+
+
+def _static_key(tree: Any) -> Any:
+    """A cache key for `rngs` or `mutable` (cheap for the common None and booleans)."""
+    return tree if tree is None or isinstance(tree, bool) else tree_key(tree)
 
 
 def _check_updates(known: dict[Any, Any], updates: dict[Any, Any]) -> None:

@@ -151,7 +151,6 @@ class NNXAdapter(Adapter):
         return state
 
     def call(self, target: Any, call: Split) -> tuple[Any, Any]:
-        from flax import nnx
 
         model, graphdef = call.variables
         args, kwargs = call.args, call.kwargs
@@ -161,12 +160,10 @@ class NNXAdapter(Adapter):
                 out = model(*args, **kwargs)
         except StopTracing as stop:
             # Ending early: the state so far is what the slice may have updated.
-            stop.state = [(path, get_value(v)) for path, v in flat_state(nnx.split(model)[1])]
+            state = _unchanged(model, graphdef, before)
+            stop.state = [(path, get_value(v)) for path, v in flat_state(state)]
             raise
-        after, state = nnx.split(model)
-        if after != graphdef:
-            changed = _changes(before, _static_attributes(model))
-            raise AttributeMutationError(AttributeMutationError.TEMPLATE.format(detail=changed))
+        state = _unchanged(model, graphdef, before)
         return out, [(path, get_value(v)) for path, v in flat_state(state)]
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
@@ -193,6 +190,18 @@ class NNXAdapter(Adapter):
         for key, size in count_by_prefix(flat).items():
             counts[key] = size
         return counts
+
+
+def _unchanged(model: Any, graphdef: Any, before: dict[str, str]) -> Any:
+    """The model's state, once its graph definition is checked to be the one traced
+    (also when a trace ends early: a change made before the end is seen there)."""
+    from flax import nnx
+
+    after, state = nnx.split(model)
+    if after != graphdef:
+        changed = _changes(before, _static_attributes(model))
+        raise AttributeMutationError(AttributeMutationError.TEMPLATE.format(detail=changed))
+    return state
 
 
 def _static_attributes(model: Any) -> dict[str, str]:
