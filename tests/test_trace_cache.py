@@ -11,7 +11,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 import jaxslice as js
@@ -96,38 +95,3 @@ def test_an_nnx_model_changed_between_calls_is_traced_again():
     train = js.slice(model, x, end="drop")
     out = train(x)
     assert not np.allclose(out, model.body(x))  # dropout ran
-
-
-class Twice(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        b = nn.Dense(4, name="b")
-        h = b(nn.Dense(4, name="a")(x))
-        return nn.Dense(2, name="c")(b(h))
-
-
-def test_a_bare_name_stops_the_first_trace_and_is_checked_before_any_value():
-    js.clear_caches()
-    model, x = Twice(), jnp.ones((3, 4))
-    variables = model.init(jax.random.key(0), x)
-    sub = js.slice(model, variables, x, end="b")  # b's second call comes after the end
-    assert sub.build_info.stopped_early
-    with pytest.raises(js.AmbiguousBoundaryError, match="'b@0', 'b@1'"):
-        sub(x)  # at the first use, before any value comes out
-    with pytest.raises(js.AmbiguousBoundaryError):
-        js.slice(model, variables, x, end="b")  # now known: refused when slicing
-    first = js.slice(model, variables, x, end="a")
-    p = variables["params"]["a"]
-    np.testing.assert_allclose(first(x), x @ p["kernel"] + p["bias"], rtol=1e-6)
-
-
-def test_a_bare_name_called_once_stops_early_and_works():
-    js.clear_caches()
-    model, x = Counted(), jnp.ones((3, 5))
-    variables = model.init(jax.random.key(0), x)
-    sub = js.slice(model, variables, x, end="body")
-    assert sub.build_info.stopped_early
-    want = model.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
-    np.testing.assert_allclose(sub(x), want[1]["intermediates"]["body"]["__call__"][0])
-    _, n = _traces(lambda: js.slice(model, variables, x, end="head"))
-    assert n == 0  # the check traced the model in full, and that trace is cached

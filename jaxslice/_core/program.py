@@ -45,7 +45,7 @@ from .._trees import (
     tree_key,
 )
 from . import emit as emit_
-from . import loops, verify
+from . import loops
 from .plan import Plan, StateRules, plan
 from .trace import Traced, stop_specs, trace, trace_split
 
@@ -134,7 +134,6 @@ class SliceProgram:
         # Keep shapes, not the model's arrays: re-tracing needs nothing more.
         if not holds:
             traced.split = dataclasses.replace(split, variables=abstract_tree(split.variables))
-        self._verification = verify.start(traced, start, end)
         self._entries = LRU(MAX_ENTRIES)
         self._keywords = frozenset(a.keyword for a in self.base.plan.arguments)
         base_key = self._key(
@@ -296,8 +295,6 @@ class SliceProgram:
         """Runs a compiled entry; with `mutable`, returns ``(outputs, updated_state)``."""
         check_mutable(entry.plan, mutable, self.adapter.has_collections)
         outs = entry.jitted(var_leaves, rng_leaves, leaves)
-        if self._verification is not None:  # a bare end the trace stopped at: is it unique?
-            self._verification.wait()
         n = len(entry.plan.output_ids)
         result = emit_.assemble(entry.plan.output_trees, outs[:n])
         if not mutable:

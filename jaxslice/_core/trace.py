@@ -131,29 +131,18 @@ def stop_rule(
 
     Only named ends qualify, and only where the adapter allows it (module names known at
     call time, no state that is returned only at the end). A name with a call index
-    (``name@k``) stops after that call. A bare name stops after its first call unless the
-    same model, traced in full before at this signature, called that module more than
-    once (then the whole model is traced and the name is refused as ambiguous at once).
-    Where no complete trace has counted the calls yet, the slice verifies the name later
-    (`unverified_names`; see `SliceProgram`).
+    (``name@k``) stops after that call. A bare name stops after its call only if the
+    same model, traced in full before with these variables, inputs and mode, called that
+    module exactly once; otherwise the whole model is traced, so a repeated call is still
+    reported as ambiguous.
     """
     if ends is None or not adapter.can_stop_early(split) or not all(map(_is_name, ends)):
         return None
     parsed = [parse(spec) for spec in ends]
     known = _CALL_COUNTS.get(_counts_key(adapter, target, split), {})
-    if any(index is None and known.get(base, 1) != 1 for base, index, _ in parsed):
-        return None  # a name known to be called more than once: traced in full, refused
+    if any(index is None and known.get(base) != 1 for base, index, _ in parsed):
+        return None
     return markers.StopRule(_needs(parsed))
-
-
-def unverified_names(adapter: Adapter, target: Any, split: Split, ends: Any) -> tuple[str, ...]:
-    """The bare names a trace that stopped early took for called once without knowing
-    it (no complete trace of this model and signature counted its calls yet)."""
-    if not ends:
-        return ()
-    known = _CALL_COUNTS.get(_counts_key(adapter, target, split), {})
-    bare = [base for base, index, _ in map(parse, ends) if index is None]
-    return tuple(dict.fromkeys(b for b in bare if b not in known))
 
 
 def _is_name(spec: Any) -> bool:
