@@ -65,20 +65,33 @@ def _summary(out: Any) -> dict[str, Any]:
     return {"shape": list(a.shape), "abs_sum": float(np.abs(a).sum())}
 
 
-def _slice() -> dict[str, Any]:
-    """The first slice in the process, then a second one of the same model and shapes."""
+def _slice(suffix: str = "") -> dict[str, Any]:
+    """The first slice in the process, then a second one of the same model and shapes
+    (each end with `suffix`)."""
     from builds import build_info
 
     import jaxslice as js
 
     model, variables, x = _setup()
     t = time.perf_counter()
-    sub = js.slice(model, variables, x, end=ARGS["end"])
+    sub = js.slice(model, variables, x, end=ARGS["end"] + suffix)
     first = time.perf_counter() - t
     t = time.perf_counter()
-    js.slice(model, variables, x, end=ARGS["end2"])
+    js.slice(model, variables, x, end=ARGS["end2"] + suffix)
     repeat = time.perf_counter() - t
     return {"seconds": first, "repeat_seconds": repeat, "build_info": build_info(sub)}
+
+
+def _truncated_jaxpr() -> dict[str, Any]:
+    """A cold `jax.make_jaxpr` of the hand-written truncated model: what tracing just the
+    layers a slice keeps costs, with nothing of jaxslice."""
+    import jax
+
+    _, variables, x = _setup()
+    prefix, own = _truncated(variables)
+    t = time.perf_counter()
+    jax.make_jaxpr(prefix.apply)(own, x)
+    return {"seconds": time.perf_counter() - t}
 
 
 def _make_jaxpr() -> dict[str, Any]:
@@ -109,14 +122,21 @@ def _kept(name: str, upto: tuple[int, int]) -> bool:
     return (stage, block) <= upto
 
 
-def _jit_first_map() -> dict[str, Any]:
-    import jax
+def _truncated(variables: Any) -> tuple[Any, Any]:
+    """The hand-written model up to block `upto`, and the variables it uses."""
     from _models import torch_named
 
-    model, variables, x = _setup()
     upto = tuple(ARGS["upto"])
     prefix = torch_named(ARGS["arch"], upto)
     own = {c: {k: v for k, v in d.items() if _kept(k, upto)} for c, d in variables.items()}
+    return prefix, own
+
+
+def _jit_first_map() -> dict[str, Any]:
+    import jax
+
+    _, variables, x = _setup()
+    prefix, own = _truncated(variables)
     t = time.perf_counter()
     out = jax.block_until_ready(jax.jit(prefix.apply)(own, x))
     return {"seconds": time.perf_counter() - t, **_summary(out)}
@@ -201,7 +221,9 @@ CASES = {
     "imports": _imports,
     "torchvision": _torchvision,
     "slice": _slice,
+    "slice_at0": lambda: _slice("@0"),
     "make_jaxpr": _make_jaxpr,
+    "truncated_jaxpr": _truncated_jaxpr,
     "first_map": _first_map,
     "jit_first_map": _jit_first_map,
     "tracker": _tracker,

@@ -10,8 +10,12 @@ The model is a ResNet with torchvision's module names (`_models.TorchNamedResNet
 block torchvision calls ``layer2.3`` is ``layer2_3``), batch 1.
 
   13. cold js.slice(end="layer2_3") / torchvision create_feature_extractor build   <= 0.8
-      (13b: the same / a cold jax.make_jaxpr of the whole model, for information)
+      (for information: 13b, the same / a cold jax.make_jaxpr of the whole model;
+      13c, a cold js.slice(end="layer2_3@0"), which stops tracing at that call, and
+      13d, a cold jax.make_jaxpr of the hand-written truncated model (the floor of any
+      build that traces the kept layers), each / torchvision's build)
   14. a second js.slice of the same model and shapes (another end) / torchvision  <= 0.1
+      (14b, for information: the same after 13c's early stop, "layer2_2@0")
   15. first feature map (build + compile + first call) / jax.jit of the hand-written
       truncated model, first call                                                 <= 1.05
   16. sub(x) per call / a plain jitted function, tiny MLP, warm (batches of calls
@@ -72,8 +76,9 @@ def write_variables(cfg: Config, path: str) -> None:
 def rounds(cfg: Config, log: Log, args: dict[str, Any], torch: bool) -> dict[str, list[Any]]:
     """Each case's results over `cfg.cold_rounds` rounds, the sides of each group
     alternated. Round 0 runs the tracker first: its layers are what intermediates gets."""
+    against_torch = ["slice_at0", "truncated_jaxpr", "torchvision"] if torch else []
     groups = [
-        ["slice", "make_jaxpr", *(["torchvision"] if torch else [])],
+        ["slice", "make_jaxpr", *against_torch],
         ["first_map", "jit_first_map"],
         ["tracker", "intermediates"],
     ]
@@ -120,24 +125,36 @@ def check_same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
 
 
 def build_rows(got: dict[str, list[Any]], names: dict[str, str], torch: Any) -> list[dict]:
-    """Rows 13, 13b and 14; 13 and 14 are skipped without torchvision."""
+    """Rows 13 to 14b; all but 13b are skipped without torchvision."""
     end, end2, tv = names["end"], names["end2"], names["tv"]
-    label13 = f"13. cold js.slice(end='{end}') / torchvision extractor build ({tv})"
-    label14 = f"14. repeat js.slice(end='{end2}'), model traced / torchvision build"
-    note = slice_note(got["slice"])
-    first, repeat = secs(got["slice"]), secs(got["slice"], "repeat_seconds")
+    labels = {
+        "13": f"13. cold js.slice(end='{end}') / torchvision extractor build ({tv})",
+        "13c": f"13c. cold js.slice(end='{end}@0') (stops tracing there) / torchvision build",
+        "13d": "13d. cold jax.make_jaxpr of the hand-written truncated model / torchvision",
+        "14": f"14. repeat js.slice(end='{end2}'), model traced / torchvision build",
+        "14b": f"14b. repeat js.slice(end='{end2}@0') after 13c / torchvision build",
+    }
+    first = secs(got["slice"])
     cold_jaxpr = pair(first, secs(got["make_jaxpr"]))
     label13b = "13b. the same cold js.slice / cold jax.make_jaxpr of the whole model"
-    rows = [ratio_row(label13b, cold_jaxpr, "info", note)]
+    row13b = ratio_row(label13b, cold_jaxpr, "info", slice_note(got["slice"]))
     if torch is not True:
         skipped = f"{INSTALL}; {torch}"
-        return [{"measure": label13, "skipped": skipped}, *rows, {"measure": label14, "skipped": skipped}]  # fmt: skip
+        rows = [{"measure": label, "skipped": skipped} for label in labels.values()]
+        return [rows[0], row13b, *rows[1:]]
     reference = secs(got["torchvision"])
-    return [
-        ratio_row(label13, pair(first, reference), "<= 0.8", note),
-        *rows,
-        ratio_row(label14, pair(repeat, reference), "<= 0.1"),
+    subjects = {
+        "13": (first, "<= 0.8", slice_note(got["slice"])),
+        "13c": (secs(got["slice_at0"]), "info", slice_note(got["slice_at0"])),
+        "13d": (secs(got["truncated_jaxpr"]), "info", ""),
+        "14": (secs(got["slice"], "repeat_seconds"), "<= 0.1", ""),
+        "14b": (secs(got["slice_at0"], "repeat_seconds"), "info", ""),
+    }
+    rows = [
+        ratio_row(labels[k], pair(subject, reference), target, note)
+        for k, (subject, target, note) in subjects.items()
     ]
+    return [rows[0], row13b, *rows[1:]]
 
 
 def call_row(res: dict[str, Any]) -> dict[str, Any]:

@@ -27,11 +27,14 @@ Groups (``--only``), each a module here:
   cold     first builds, each timed in a fresh process (processes of both sides alternated;
            ResNet-50 with torchvision's module names, 224x224, batch 1; see `cold`):
            13. js.slice(end="layer2_3") / torchvision create_feature_extractor   <= 0.8
+               (13b-d for information: / whole-model make_jaxpr; "layer2_3@0"; the
+               hand-truncated model's make_jaxpr, each / torchvision)
            14. a repeat slice of the traced model / torchvision build            <= 0.1
+               (14b for information: the same after "layer2_3@0")
            15. first feature map (build, compile, call) / jax.jit hand-written    <= 1.05
            16. sub(x) per call / a plain jitted function, tiny MLP, warm         <= 1.1
            17. first coverage.Tracker / first js.intermediates of its layers     <= 1.2
-           (13 and 14 are skipped without torch and torchvision)
+           (13, 13c, 13d, 14 and 14b are skipped without torch and torchvision)
 
 Only the public API of jaxslice is used. The exit status is 1 when a retrace count (exact)
 misses its target or a slice computes a wrong result, and, with ``--strict``, when any

@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import jaxslice as js
@@ -95,3 +96,57 @@ def test_an_nnx_model_changed_between_calls_is_traced_again():
     train = js.slice(model, x, end="drop")
     out = train(x)
     assert not np.allclose(out, model.body(x))  # dropout ran
+
+
+class Chain(nn.Module):
+    """Three layers; counts its traces like `Counted`."""
+
+    @nn.compact
+    def __call__(self, x):
+        TRACES["n"] += 1
+        h = nn.Dense(4, name="a")(x)
+        h = nn.Dense(4, name="b")(jnp.tanh(h))
+        return nn.Dense(2, name="c")(jnp.tanh(h))
+
+
+def test_a_trace_that_stopped_early_serves_slices_it_reached():
+    js.clear_caches()
+    model, x = Chain(), jax.random.normal(jax.random.key(1), (3, 5))
+    variables = model.init(jax.random.key(0), x)
+    p = variables["params"]
+
+    def dense(name, h):
+        return h @ p[name]["kernel"] + p[name]["bias"]
+
+    _, n = _traces(lambda: js.slice(model, variables, x, end="b@0"))
+    assert n == 1
+    first, n = _traces(lambda: js.slice(model, variables, x, end="a@0"))
+    assert n == 0 and first.build_info.stopped_early
+    np.testing.assert_allclose(first(x), dense("a", x), rtol=1e-5, atol=1e-6)
+    h = jnp.tanh(dense("a", x))
+    inner, n = _traces(lambda: js.slice(model, variables, x, start="b@0", end="b@0"))
+    assert n == 0  # a start (b's input) and an end both reached
+    np.testing.assert_allclose(inner(h), dense("b", h), rtol=1e-5, atol=1e-6)
+    feats, n = _traces(lambda: js.intermediates(model, variables, x, names=["a@0", "b@0"]))
+    assert n == 0
+    np.testing.assert_allclose(feats["b@0"], dense("b", h), rtol=1e-5, atol=1e-6)
+    last, n = _traces(lambda: js.slice(model, variables, x, end="c@0"))
+    assert n == 1  # beyond where the cached trace stopped
+    np.testing.assert_allclose(last(x), model.apply(variables, x), rtol=1e-5, atol=1e-6)
+
+
+class Twice(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        b = nn.Dense(4, name="b")
+        h = b(nn.Dense(4, name="a")(x))
+        return nn.Dense(2, name="c")(b(h))
+
+
+def test_a_bare_name_after_an_early_stop_still_traces_the_whole_model():
+    js.clear_caches()
+    model, x = Twice(), jnp.ones((3, 4))
+    variables = model.init(jax.random.key(0), x)
+    js.slice(model, variables, x, end="b@1")  # stops after b's second call
+    with pytest.raises(js.AmbiguousBoundaryError, match="'b@0', 'b@1'"):
+        js.slice(model, variables, x, end="b")  # not taken from the partial trace

@@ -169,6 +169,8 @@ class Graph:
     calls: list[Call] = dataclasses.field(default_factory=list)
     regions: list[Region] = dataclasses.field(default_factory=list)
     partial: bool = False  # traced only up to a slice's ends (no model output)
+    # For a partial graph: how many calls of each boundary had returned when it stopped.
+    reached: dict[str, int] = dataclasses.field(default_factory=dict)
     build_seconds: float = 0.0  # time `build` took
     producer: dict[int, int] = dataclasses.field(default_factory=dict)
     # What the graph was built from: ``(closed jaxpr, signature, name_scopes)``, so that

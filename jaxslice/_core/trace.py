@@ -84,6 +84,9 @@ _CALL_COUNTS = LRU(maxsize=64)
 # Graphs of models traced in full, so that a second slice, `js.boundaries` after a slice,
 # `js.intermediates` or `js.edit` of the same model at the same shapes trace nothing.
 _GRAPHS = LRU(maxsize=16)
+# Graphs of traces that stopped early, so that another slice ending at or before the
+# same point (a second feature extractor, say) traces nothing either.
+_PARTIALS = LRU(maxsize=16)
 
 
 def _counts_key(adapter: Adapter, target: Any, split: Split) -> Any:
@@ -114,7 +117,11 @@ def _counts_key(adapter: Adapter, target: Any, split: Split) -> Any:
 def _remember(key: Any, graph: Graph, adapter: Adapter) -> None:
     """Keeps a complete graph's call counts and, where the model's structure is known,
     the graph itself."""
-    if key is None or graph.partial:
+    if key is None:
+        return
+    if graph.partial:
+        if adapter.caches_traces:
+            _PARTIALS.put(key, graph)
         return
     counts: dict[str, int] = {}
     for call in graph.calls:
@@ -182,11 +189,11 @@ class _Leaves:
 
 
 def trace_split(adapter: Adapter, target: Any, split: Split, stop_at: Any = None) -> Traced:
-    """Traces a target from an existing split (new shapes, a new mode, ...), or takes
-    the graph of the same model traced in full before at the same signature."""
+    """Traces a target from an existing split (new shapes, a new mode, ...), or takes a
+    graph of the same model traced before at the same signature (`_cached_graph`)."""
     began = time.perf_counter()
     key = _counts_key(adapter, target, split)
-    graph = _GRAPHS.get(key) if key is not None else None
+    graph = _cached_graph(key, adapter, target, split, stop_at)
     built = 0.0
     if graph is None:
         graph = _trace_widening(adapter, target, split, stop_at)
@@ -195,6 +202,23 @@ def trace_split(adapter: Adapter, target: Any, split: Split, stop_at: Any = None
     counts = adapter.parameter_counts(split.variables)
     seconds = time.perf_counter() - began
     return Traced(graph, adapter, target, split, counts, seconds, built)
+
+
+def _cached_graph(
+    key: Any, adapter: Adapter, target: Any, split: Split, stop_at: Any
+) -> Graph | None:
+    """The complete graph of this model and signature, or a partial one that reached
+    every call a trace stopping at `stop_at` needs; None when neither is cached."""
+    if key is None:
+        return None
+    graph = _GRAPHS.get(key)
+    if graph is not None:
+        return graph
+    partial = _PARTIALS.get(key)
+    rule = stop_rule(adapter, target, split, stop_at) if partial is not None else None
+    if rule is None or any(partial.reached.get(n, 0) < k for n, k in rule.needs.items()):
+        return None
+    return partial
 
 
 def _trace_widening(adapter: Adapter, target: Any, split: Split, stop_at: Any) -> Graph:
@@ -250,12 +274,13 @@ def _trace_once(adapter: Adapter, target: Any, split: Split, mutable: Any, stop_
     var_paths = [p for (p, _), m in zip(var_flat, variables.mask, strict=True) if m]
     rngs = _Leaves.of(*jax.tree_util.tree_flatten(split.rngs))
     inputs = _Leaves.of(*jax.tree_util.tree_flatten((split.args, split.kwargs)))
-    info: dict[str, Any] = {"partial": False, "failed": []}
+    info: dict[str, Any] = {"partial": False, "failed": [], "rule": None}
 
     def program(var_a: list[Any], rng_a: list[Any], in_a: list[Any]) -> Any:
         call_args, call_kwargs = inputs.rebuild(in_a)
         # A retry with wider `mutable` must not stop before the state comes back.
         rule = stop_rule(adapter, target, dataclasses.replace(split, mutable=mutable), stop_at)
+        info["rule"] = rule
         try:
             with markers.marking(rule) as info["failed"]:
                 call = Split(
@@ -291,6 +316,8 @@ def _trace_once(adapter: Adapter, target: Any, split: Split, mutable: Any, stop_
     began = time.perf_counter()
     graph = build(closed, signature, name_scopes=adapter.name_scopes)
     graph.partial = info["partial"]
+    if graph.partial:
+        graph.reached = dict(info["rule"].seen)
     graph.build_seconds = time.perf_counter() - began
     return graph
 
