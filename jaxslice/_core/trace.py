@@ -81,12 +81,11 @@ def _as_list(spec: Any) -> list[Any] | None:
 # Call counts per boundary name of models already traced in full, so that a later trace
 # can stop early without hiding a repeated call (a bare name must stay ambiguous).
 _CALL_COUNTS = LRU(maxsize=64)
-# Graphs of models traced in full, so that a second slice, `js.boundaries` after a slice,
-# `js.intermediates` or `js.edit` of the same model at the same shapes trace nothing.
+# The last graph traced of each model and signature, so that a second slice,
+# `js.boundaries` after a slice, `js.intermediates` or `js.edit` of the same model at the
+# same shapes trace nothing. A graph of a trace that stopped early serves only what it
+# reached (`_cached_graph`); a complete one, traced later, takes its place.
 _GRAPHS = LRU(maxsize=16)
-# Graphs of traces that stopped early, so that another slice ending at or before the
-# same point (a second feature extractor, say) traces nothing either.
-_PARTIALS = LRU(maxsize=16)
 
 
 def _counts_key(adapter: Adapter, target: Any, split: Split) -> Any:
@@ -116,17 +115,14 @@ def _counts_key(adapter: Adapter, target: Any, split: Split) -> Any:
 
 def _remember(key: Any, graph: Graph, adapter: Adapter) -> None:
     """Keeps a complete graph's call counts and, where the model's structure is known,
-    the graph itself."""
+    the graph itself (complete or partial)."""
     if key is None:
         return
-    if graph.partial:
-        if adapter.caches_traces:
-            _PARTIALS.put(key, graph)
-        return
-    counts: dict[str, int] = {}
-    for call in graph.calls:
-        counts[call.name] = counts.get(call.name, 0) + 1
-    _CALL_COUNTS.put(key, counts)
+    if not graph.partial:
+        counts: dict[str, int] = {}
+        for call in graph.calls:
+            counts[call.name] = counts.get(call.name, 0) + 1
+        _CALL_COUNTS.put(key, counts)
     if adapter.caches_traces:
         _GRAPHS.put(key, graph)
 
@@ -209,16 +205,13 @@ def _cached_graph(
 ) -> Graph | None:
     """The complete graph of this model and signature, or a partial one that reached
     every call a trace stopping at `stop_at` needs; None when neither is cached."""
-    if key is None:
-        return None
-    graph = _GRAPHS.get(key)
-    if graph is not None:
+    graph = _GRAPHS.get(key) if key is not None else None
+    if graph is None or not graph.partial:
         return graph
-    partial = _PARTIALS.get(key)
-    rule = stop_rule(adapter, target, split, stop_at) if partial is not None else None
-    if rule is None or any(partial.reached.get(n, 0) < k for n, k in rule.needs.items()):
+    rule = stop_rule(adapter, target, split, stop_at)
+    if rule is None or any(graph.reached.get(n, 0) < k for n, k in rule.needs.items()):
         return None
-    return partial
+    return graph
 
 
 def _trace_widening(adapter: Adapter, target: Any, split: Split, stop_at: Any) -> Graph:
