@@ -35,6 +35,13 @@ Groups (``--only``), each a module here:
            16. sub(x) per call / a plain jitted function, tiny MLP, warm         <= 1.1
            17. first coverage.Tracker / first js.intermediates of its layers     <= 1.2
            (13, 13c, 13d, 14 and 14b are skipped without torch and torchvision)
+  edits    on the scanned stack of rows 10-12 (see `edits`):
+           18. edited model (every iteration) / the same edit by hand            <= 1.05
+           19. XLA compile of an edit at one iteration / of the unedited model    <= 1.2
+           20. XLA compile of a module inserted at every iteration / unedited     <= 1.2
+           21. a vmapped sweep of 64 call-time patches / 64 separate calls        <= 0.3
+           22. first run of a js.Interpreter (b: ActivationStats, c: Tracker) on
+               per-iteration names / the model's first jitted call                 <= 1.5
 
 Only the public API of jaxslice is used. The exit status is 1 when a retrace count (exact)
 misses its target or a slice computes a wrong result, and, with ``--strict``, when any
@@ -61,6 +68,7 @@ GROUPS = {
     "torch": "torchvision_row",
     "scanned": "scanned",
     "cold": "cold",
+    "edits": "edits",
 }
 EXACT = ("8.",)  # rows whose check is noise-free: they fail the run even without --strict
 

@@ -19,35 +19,58 @@ checks the edited model with it; only if that works does the editor take it (and
 itself, so edits chain). A failed edit changes nothing, so there is nothing to roll back;
 `copy` gives an independent editor to branch from.
 
+Edits inside scanned stacks: an edit at ``layers[:]/mlp`` changes every iteration, and
+the loop stays one scan (the evaluator keeps scans, `_core.evaluate`); a module inserted
+there gets one set of variables per iteration, stacked on a new leading axis like the
+model's own (each row initialised from its own key). An edit at ``layers[3]/mlp``
+changes iteration 3 only: that iteration runs on its own between scans over the others.
+
+Call-time inputs (``inputs=("delta",)``) make a node a function of values given when the
+edited model is called, as keyword arguments (``edited(x, delta=v)``): the edited model is
+an ordinary JAX function of them, so `jax.vmap` sweeps a patch and `jax.grad` gives
+attribution at that site. At a stacked name, row k of a call-time input (or of a node's
+variables) is what iteration k sees.
+
 Sharp edges: `insert_after` acts on a module's output, or on its input with the
 ``:input`` port; `replace` and `remove` act on whole calls. The mode (keywords such as
 ``train=False``) is fixed when the editor is made; NNX models are not supported (assign
-new submodules to the model instead).
+new submodules to the model instead). Calls inside a loop that an edit splits (an edit at
+one iteration) are no boundaries of the edited model; the model's other calls and the
+inserted nodes are.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 
 from . import _compat
-from ._core.emit import BoundaryEvent, Equation
-from ._core.emit import evaluate as evaluate_graph
-from ._core.markers import INPUT, OUTPUT, Origin, is_marking, mark_side, new_record
-from ._core.names import Resolver, parse
+from ._core.markers import INPUT, OUTPUT
+from ._core.names import STACKED, Resolver, fill, parse
 from ._core.program import SliceProgram
 from ._core.trace import Traced, trace
 from ._core.view import DrawsInline
+from ._edit_nodes import (
+    Edit,
+    Node,
+    Site,
+    Tables,
+    call_input_specs,
+    describe_shapes,
+    is_linen,
+    new_node,
+    same_shapes,
+)
+from ._edited import Built, Edited, EditedAdapter, EditedModel, EditPlan, joined
 from ._errors import InvalidSpecError, SliceError, UnsupportedTargetError
 from ._slice import view
 from ._table import BoundaryTable, describe
-from ._trees import prune
 from .adapters import adapter_for
-from .adapters._plain import PlainAdapter
 
+# Keywords the edited model's `apply` takes itself: no call-time input may be named so.
+RESERVED = frozenset({"rngs", "mutable", "variables"})
 REMOVE_MISMATCH = (
     "Cannot remove {name!r}: removing bypasses a module (its output becomes its input), so "
     "its input and output must have the same structure, shapes and dtypes, but\n"
@@ -64,74 +87,6 @@ WHOLE_CALLS = (
     "{op}({base!r}). To change only what a module receives, use "
     "insert_after({base_input!r}, fn)."
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Node:
-    name: str
-    fn: Callable[..., Any]  # fn(node_variables, *args) -> output
-    module: Any  # the linen module, or None for a plain function
-    variables: Any  # its own variables ({collection: ...} for linen), or None
-
-    @property
-    def module_type(self) -> str:
-        if self.module is not None:
-            return type(self.module).__name__
-        return getattr(self.fn, "__name__", "function")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Edit:
-    op: str  # "insert", "replace" or "remove"
-    at: str  # the call's qualified name or an inserted node's name
-    port: str  # the side an insertion acts on
-    node: _Node | None = None
-
-
-@dataclasses.dataclass
-class _Tables:
-    """The edits replayed: what happens at each boundary of the edited model."""
-
-    after: dict[tuple[str, str], list[_Node]] = dataclasses.field(default_factory=dict)
-    replaced: dict[str, _Node] = dataclasses.field(default_factory=dict)
-    removed: set[str] = dataclasses.field(default_factory=set)
-    inserted: dict[str, _Node] = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def of(cls, edits: tuple[_Edit, ...]) -> _Tables:
-        t = cls()
-        for e in edits:
-            getattr(t, f"_{e.op}")(e)
-        return t
-
-    def _insert(self, e: _Edit) -> None:
-        self.after.setdefault((e.at, e.port), []).append(e.node)
-        self.inserted[e.node.name] = e.node
-
-    def _replace(self, e: _Edit) -> None:
-        if e.at in self.inserted:
-            old = self.inserted[e.at]
-            self.inserted[e.at] = e.node
-            for nodes in self.after.values():
-                nodes[:] = [e.node if n is old else n for n in nodes]
-            return
-        self.removed.discard(e.at)
-        self.replaced[e.at] = e.node
-
-    def _remove(self, e: _Edit) -> None:
-        if e.at not in self.inserted:
-            self.replaced.pop(e.at, None)
-            self.removed.add(e.at)
-            return
-        node = self.inserted.pop(e.at)
-        following = self.after.pop((e.at, OUTPUT), [])
-        for nodes in self.after.values():
-            if node in nodes:
-                i = nodes.index(node)
-                nodes[i : i + 1] = following
-
-    def nodes(self) -> list[_Node]:
-        return list(self.inserted.values()) + list(self.replaced.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,16 +113,22 @@ class Editor(DrawsInline):
         if refusal is not None:
             raise UnsupportedTargetError(refusal)
         program = SliceProgram.build(target, args, kwargs, None, None)
+        self._target = target
         self._variables = program.adapter.split(target, args, kwargs).variables
+        # A model that holds its variables (NNX) is read live, its values keyed by
+        # joined paths (see `EditPlan`).
+        flat, _ = program.adapter.flatten_variables(self._variables)
+        live = program.adapter.holds_variables
+        self._paths = {joined(p): p for p, _ in flat} if live else {}
         graph = program.base.traced.graph
         taken = {c.qualname for c in graph.calls} | {c.name for c in graph.calls}
         taken |= program.adapter.variable_names(self._variables)
         self._base = _Base(program, Resolver(graph), frozenset(taken))
-        self._edits: tuple[_Edit, ...] = ()
-        self._tables = _Tables()
+        self._edits: tuple[Edit, ...] = ()
+        self._tables = Tables()
         self._known: dict[tuple[str, str], Any] | None = None
 
-    def _commit(self, edit: _Edit, probe: str | None) -> Editor:
+    def _commit(self, edit: Edit, probe: str | None) -> Editor:
         """Adds `edit`: the editor's state is replaced at once, only if the edit works."""
         new = self._with(edit, probe)
         self._edits, self._tables, self._known = new._edits, new._tables, new._known
@@ -179,11 +140,11 @@ class Editor(DrawsInline):
         new.__dict__.update(self.__dict__)
         return new
 
-    def _with(self, edit: _Edit, probe: str | None) -> Editor:
+    def _with(self, edit: Edit, probe: str | None) -> Editor:
         """A new editor with `edit` added; `probe` names the edit for error messages."""
         new = self.copy()
         new._edits = self._edits + (edit,)
-        new._tables = _Tables.of(new._edits)
+        new._tables = Tables.of(new._edits)
         new._known = None
         if probe is not None:
             try:
@@ -197,96 +158,123 @@ class Editor(DrawsInline):
     # ------------------------------------------------------------------ edits
 
     def insert_after(
-        self, at: str, fn_or_module: Any, /, *, key: Any = None, name: str | None = None
+        self,
+        at: str,
+        fn_or_module: Any,
+        /,
+        *,
+        key: Any = None,
+        name: str | None = None,
+        inputs: Any = (),
     ) -> Editor:
         """Inserts a function or linen module after a boundary's output (or input).
 
         Everything that read the boundary's output reads the node's output instead. With
         the ``:input`` port (``"block:input"``) the node transforms what the module
         receives. A linen module's variables are initialised with `key` (on the value it
-        receives) and become trainable variables under the node's name.
+        receives) and become trainable variables under the node's name. At a name inside
+        scans, ``layers[3]/mlp`` changes iteration 3 only and ``layers[:]/mlp`` every
+        iteration; a module inserted at ``[:]`` gets variables stacked per iteration.
 
         Args:
           at: the boundary (or an inserted node) whose value the node receives.
-          fn_or_module: a function ``f(value)`` or a linen module.
+          fn_or_module: a function ``f(value, *call_inputs)`` or a linen module.
           key: a PRNG key, needed for a linen module.
           name: the node's name (a boundary name from now on); generated if omitted.
+          inputs: names of call-time inputs the node also receives, given as keywords
+            when the edited model is called (``edited(x, delta=v)``). Each is shaped like
+            the value at `at` (with a leading axis per ``[:]``), unless given as a dict
+            ``{name: example array or jax.ShapeDtypeStruct}``.
 
         Returns:
           The editor, so edits chain.
         """
-        target, port = self._resolve(at)
+        site = self._site(at)
         name = self._fresh_name(fn_or_module) if name is None else name
         self._check_new_name(name)
-        node = _new_node(fn_or_module, key, name, (self._shapes()[(target, port)],))
-        edit = _Edit("insert", target, port, node)
-        return self._commit(edit, f"Inserting {name!r} after {target!r}:{port}")
+        value = self._value_at(site, site.port)
+        node = self._new_node(fn_or_module, key, name, (value,), site, inputs)
+        edit = Edit("insert", site, node)
+        return self._commit(edit, f"Inserting {name!r} after {site.name!r}:{site.port}")
 
-    def replace(self, at: str, fn_or_module: Any, /, *, key: Any = None) -> Editor:
+    def replace(
+        self, at: str, fn_or_module: Any, /, *, key: Any = None, inputs: Any = ()
+    ) -> Editor:
         """Replaces a module call (or an inserted node) by a function or linen module.
 
-        The replacement receives the call's array arguments. A replacing linen module's
-        variables are initialised with `key` and live under the replaced call's name.
+        The replacement receives the call's array arguments (and the call-time `inputs`,
+        as for `insert_after`). A replacing linen module's variables are initialised with
+        `key` and live under the replaced call's name.
 
         Returns:
           The editor, so edits chain.
         """
-        target = self._whole_call("replace", at)
-        sample = self._shapes()[(target, INPUT)]
-        inserted = target in self._tables.inserted
+        site = self._whole_call("replace", at)
+        sample = self._value_at(site, INPUT)
+        inserted = site.name in self._tables.inserted
         sample = (sample,) if inserted or not isinstance(sample, tuple) else sample
-        name = target if inserted else self._base.resolver.resolve(target, OUTPUT)[0].name
-        self._check_replaceable(target, fn_or_module)
-        node = _new_node(fn_or_module, key, name, sample)
-        return self._commit(_Edit("replace", target, OUTPUT, node), f"Replacing {target!r}")
+        if inserted:
+            name = site.name
+        elif site.lengths or site.splits:  # its variables are rows of the loop's: kept
+            name = self._fresh_name(fn_or_module)
+        else:
+            name = self._base.resolver.resolve(site.name, OUTPUT)[0].name
+        self._check_replaceable(site, fn_or_module)
+        node = self._new_node(fn_or_module, key, name, sample, site, inputs)
+        return self._commit(Edit("replace", site, node), f"Replacing {site.name!r}")
 
     def remove(self, at: str, /) -> Editor:
-        """Bypasses a module call or an inserted node: its output becomes its input.
+        """Bypasses a module call, or takes an inserted node out again.
+
+        A module call's output becomes its input. An inserted node's edit is undone: what
+        it received goes on to what read it, and its variables leave the edited model.
 
         Raises:
-          SliceError: if the input and output differ in structure, shape or dtype.
+          SliceError: if a call's input and output differ in structure, shape or dtype.
 
         Returns:
           The editor, so edits chain.
         """
-        target = self._whole_call("remove", at)
-        values = self._shapes()
-        inp, out = values[(target, INPUT)], values[(target, OUTPUT)]
-        if not _same_shapes(inp, out):
-            raise SliceError(
-                REMOVE_MISMATCH.format(name=target, inp=_describe(inp), out=_describe(out))
-            )
-        return self._commit(_Edit("remove", target, OUTPUT), None)
+        site = self._whole_call("remove", at)
+        if site.name not in self._tables.inserted:
+            inp, out = self._value_at(site, INPUT), self._value_at(site, OUTPUT)
+            if not same_shapes(inp, out):
+                raise SliceError(
+                    REMOVE_MISMATCH.format(
+                        name=site.name, inp=describe_shapes(inp), out=describe_shapes(out)
+                    )
+                )
+        return self._commit(Edit("remove", site), None)
 
     # ------------------------------------------------------------------ results
 
     @property
     def variables(self) -> Any:
-        """The edited model's variables: the model's, plus those of new modules."""
-        base = self._variables
-        nodes = [n for n in self._tables.nodes() if n.variables is not None]
-        if not nodes:
-            return base
-        if not isinstance(base, Mapping):
-            raise InvalidSpecError(
-                "New modules bring variables, but the model's variables are not a dict, so "
-                "there is no place for them. Use a dict of parameters, or insert plain functions."
-            )
-        kept = {
-            p for p, _ in jax.tree_util.tree_flatten_with_path(base)[0] if self._owner(p) is None
-        }
-        out = prune(base, kept) or {}
-        out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in out.items()}
-        for node in nodes:
-            self._base.program.adapter.with_node(out, node.name, node.variables)
-        return out
+        """The edited model's variables: the model's, plus those of new modules.
+
+        For linen models and plain functions, the model's variables with each new
+        module's under its node name; for NNX and Equinox models ``{"model": ...,
+        "nodes": {name: ...}}`` (an NNX model's values keyed by ``/``-joined paths).
+        """
+        return self._plan().edited_variables()
 
     def build(self) -> Any:
-        """The whole edited model as a `js.Sliced` (trainable, jit-compiled)."""
-        return self.slice()
+        """The whole edited model, as the same kind of object a slice of the model is.
+
+        For linen models and plain functions an `Edited` (a `js.Sliced`, trainable and
+        jit-compiled, with `export`); for NNX models an `nnx.Module` holding the model and
+        the new nodes (sharing their variables).
+        """
+        program = SliceProgram(self._trace(), None, None)
+        edited = Edited(program, self._tables.call_inputs())
+        nodes = {n.name: n.module for n in self._tables.nodes() if n.variables is not None}
+        built = Built(edited, program, nodes)
+        view = self._base.program.adapter.edited_view(self._target, built)
+        return edited if view is None else view
 
     def slice(self, start: Any = None, end: Any = None) -> Any:
-        """A slice of the edited model; inserted nodes are boundaries too."""
+        """A slice of the edited model, a `js.Sliced` over `variables` (inserted nodes are
+        boundaries too)."""
         return view(SliceProgram(self._trace(), start, end))
 
     def boundaries(self) -> BoundaryTable:
@@ -325,52 +313,108 @@ class Editor(DrawsInline):
 
     # ------------------------------------------------------------------ internals
 
+    def _plan(self) -> EditPlan:
+        """The edits as they stand, with what the edited model evaluates them on."""
+        program = self._base.program
+        return EditPlan(program, self._target, self._tables, self._variables, self._paths)
+
     def _trace(self) -> Traced:
         split = self._base.split
-        args = (self.variables, *split.args)
-        return trace(_EditedModel(self, None), args, dict(split.kwargs), adapter=_EDITED)
+        plan = self._plan()
+        args = (plan.edited_variables(), *split.args)
+        samples = {
+            n: jax.numpy.zeros(sample.shape, sample.dtype)
+            for n, (_, sample) in self._tables.call_inputs().items()
+        }
+        kwargs = {**split.kwargs, **samples}
+        return trace(EditedModel(plan, None), args, kwargs, adapter=EditedAdapter())
 
-    def _owner(self, path: tuple[Any, ...]) -> _Node | None:
-        """The new node whose variables live at `path`, if any."""
-        name = self._base.program.adapter.node_of(path)
-        nodes = self._tables.nodes()
-        return next((n for n in nodes if n.variables is not None and name == n.name), None)
-
-    def _resolve(self, spec: str) -> tuple[str, str]:
-        """The qualified name and port of a boundary or an inserted node."""
+    def _site(self, spec: Any) -> Site:
+        """Where `spec` points: a boundary (an iteration of one inside scans, or all of
+        them) or an inserted node, and the port (the output unless ``:input``)."""
         if isinstance(spec, str):
             base, _, port = parse(spec)
             if base in self._tables.inserted:
-                return base, port or OUTPUT
-        call, port = self._base.resolver.resolve(spec, OUTPUT)
-        return call.qualname, port
+                node = self._tables.inserted[base]
+                return Site(base, port or OUTPUT, base, node.stacked, node.depths)
+        ref = self._base.resolver.loop_ref(spec, OUTPUT)
+        if ref is None:
+            call, port = self._base.resolver.resolve(spec, OUTPUT)
+            return Site(call.qualname, port, call.qualname)
+        call, sites = ref.call, ref.call.loop.chain()
+        suffix = "" if call.count == 1 else f"@{call.index}"
+        stacked = fill(call.template, [STACKED] * len(ref.path)) + suffix
+        depths = tuple(d for d, k in enumerate(ref.path) if k == STACKED)
+        lengths = tuple(sites[d].length for d in depths)
+        splits = tuple(
+            (call.template, depth, k) for depth, k in enumerate(ref.path) if k != STACKED
+        )
+        name = fill(call.template, ref.path) + suffix
+        return Site(name, ref.side, stacked, lengths, depths, splits)
 
-    def _whole_call(self, op: str, spec: str) -> str:
-        target, port = self._resolve(spec)
+    def _whole_call(self, op: str, spec: str) -> Site:
+        site = self._site(spec)
         if isinstance(spec, str) and parse(spec)[2] is not None:
             base = spec.rpartition(":")[0]
             raise InvalidSpecError(
                 WHOLE_CALLS.format(op=op, name=spec, base=base, base_input=f"{base}:input")
             )
-        return target
+        return site
 
-    def _check_replaceable(self, target: str, fn_or_module: Any) -> None:
-        if target in self._tables.inserted:
+    def _value_at(self, site: Site, port: str) -> Any:
+        """Shapes and dtypes of the value at a site (one iteration's, inside scans)."""
+        known = self._shapes()
+        found = known.get((site.name, port), known.get((site.stacked, port)))
+        if found is None:
+            raise SliceError(
+                f"{site.name!r} ({port}) is not evaluated in the edited model (a call inside a "
+                "loop an earlier edit splits, or one whose loop body drops it). Edit at an "
+                "enclosing call, or at every iteration with [:]."
+            )
+        return found
+
+    def _check_replaceable(self, site: Site, fn_or_module: Any) -> None:
+        if site.name in self._tables.inserted or site.lengths or site.splits:
             return
-        call, _ = self._base.resolver.resolve(target, OUTPUT)
-        if call.count > 1 and _is_linen(fn_or_module):
+        call, _ = self._base.resolver.resolve(site.name, OUTPUT)
+        if call.count > 1 and is_linen(fn_or_module):
             raise InvalidSpecError(
                 f"{call.name!r} is a module called {call.count} times; replacing one call by a "
                 "module with its own variables would give two modules one name. Replace it with "
                 "a function, or insert the new module with `insert_after` and remove the call."
             )
 
-    def _fresh_name(self, fn_or_module: Any) -> str:
-        base = (
-            type(fn_or_module).__name__
-            if _is_linen(fn_or_module)
-            else getattr(fn_or_module, "__name__", "fn")
+    def _new_node(
+        self,
+        fn_or_module: Any,
+        key: Any,
+        name: str,
+        args: tuple[Any, ...],
+        site: Site,
+        inputs: Any,
+    ) -> Node:
+        """A node for `site`: its function, variables (stacked per iteration at ``[:]``)
+        and call-time inputs, checked against those the edited model already takes."""
+        names, samples = call_input_specs(inputs, args, site)
+        taken = self._tables.call_inputs()
+        keywords = set(self._base.split.kwargs) | set(self._base.split.mode) | RESERVED
+        keywords |= self._base.program.adapter.accepted_keywords(self._target) or set()
+        clash = [n for n in names if n in taken or n in keywords]
+        if clash:
+            raise InvalidSpecError(
+                f"The call-time input name(s) {clash} are already taken by another node or by "
+                "the model's own keyword arguments; pick other names."
+            )
+        adapter = self._base.program.adapter
+        lead = len(site.lengths)  # a module is made for one iteration's values
+        rows = tuple(jax.ShapeDtypeStruct(s.shape[lead:], s.dtype) for s in samples)
+        node = new_node(adapter, fn_or_module, key, name, site, (*args, *rows))
+        return dataclasses.replace(
+            node, inputs=names, samples=samples, stacked=site.lengths, depths=site.depths
         )
+
+    def _fresh_name(self, fn_or_module: Any) -> str:
+        base = getattr(fn_or_module, "__name__", None) or type(fn_or_module).__name__
         base = "fn" if base == "<lambda>" else base
         i = 0
         while f"{base}_{i}" in self._base.taken or f"{base}_{i}" in self._tables.inserted:
@@ -403,153 +447,10 @@ class Editor(DrawsInline):
             )
 
         split = self._base.split
-        jax.eval_shape(_EditedModel(self, record), self.variables, *split.args, **split.kwargs)
+        samples = {n: sample for n, (_, sample) in self._tables.call_inputs().items()}
+        model = EditedModel(self._plan(), record)
+        jax.eval_shape(model, self.variables, *split.args, **split.kwargs, **samples)
         return seen
-
-
-# The edited model's boundaries are exactly the calls it marks: linen name stacks would
-# add regions named after classes ("Model/block").
-_EDITED = PlainAdapter(name_scopes=False)
-
-
-def _is_linen(obj: Any) -> bool:
-    from .adapters._linen import LinenAdapter
-
-    return LinenAdapter.accepts(obj)
-
-
-def _new_node(fn_or_module: Any, key: Any, name: str, args: tuple[Any, ...]) -> _Node:
-    if _is_linen(fn_or_module):
-        if key is None:
-            raise InvalidSpecError(
-                f"The module {type(fn_or_module).__name__} needs `key=` to initialise its "
-                "variables, e.g. key=jax.random.key(0)."
-            )
-        zeros = jax.tree_util.tree_map(lambda a: jax.numpy.zeros(a.shape, a.dtype), args)
-        module = fn_or_module
-        variables = dict(module.init(key, *zeros))
-        return _Node(name, lambda v, *a: module.apply(v, *a), module, variables)
-    if callable(fn_or_module):
-        f = fn_or_module
-        return _Node(name, lambda v, *a: f(*a), None, None)
-    raise InvalidSpecError(
-        f"Expected a function or a linen module, got {type(fn_or_module).__name__}."
-    )
-
-
-def _describe(tree: Any) -> str:
-    return str(jax.tree_util.tree_map(lambda x: f"{x.dtype}{list(x.shape)}", tree))
-
-
-def _same_shapes(a: Any, b: Any) -> bool:
-    if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):
-        return False
-    pairs = zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
-    return all(x.shape == y.shape and x.dtype == y.dtype for x, y in pairs)
-
-
-class _EditedModel:
-    """The edited model as a plain function ``fn(variables, *inputs)``."""
-
-    def __init__(self, editor: Editor, observe: Callable[[str, str, Any], None] | None):
-        self.editor = editor
-        self.observe = observe
-        self.__name__ = "edited"
-
-    def __call__(self, variables: Any, *inputs: Any, **kwargs: Any) -> Any:
-        editor = self.editor
-        program = editor._base.program
-        entry, leaves = program.lookup(inputs, kwargs, None, False)
-        # Variables of the original model, except those a new module now owns: replaced
-        # modules' equations still read their original values (they are dead code).
-        flat = jax.tree_util.tree_flatten_with_path
-        given = {p: x for p, x in flat(variables)[0] if editor._owner(p) is None}
-        merged = {**dict(flat(editor._variables)[0]), **given}
-        values = [merged[p] for p in entry.traced.graph.variable_paths]
-        hooks = _EditHooks(editor, variables, self.observe)
-        return evaluate_graph(entry.traced.graph, hooks, values, [], leaves)
-
-
-class _EditHooks:
-    """Applies an editor's edits at the boundaries of the original model's program."""
-
-    recurse = False
-
-    def __init__(self, editor: Editor, variables: Any, observe: Any):
-        self.tables = editor._tables
-        self.adapter = editor._base.program.adapter
-        self.variables = variables
-        self.observe = observe or (lambda name, side, value: None)
-        self.inputs: dict[str, Any] = {}
-        self.records: dict[int, Any] = {}
-
-    def equation(self, eqn: Equation, inputs: list[Any], outputs: list[Any]) -> list[Any]:
-        return outputs
-
-    def on_boundary(self, event: BoundaryEvent) -> Any:
-        name, value = event.name, event.value
-        if event.side == INPUT:
-            value = self._after(name, INPUT, value)
-            self.inputs[name] = value
-            self._remark(event, value)
-            self.observe(name, INPUT, value)
-            return value
-        value = self._output(name, value)
-        self._remark(event, value)
-        self.observe(name, OUTPUT, value)
-        return self._after(name, OUTPUT, value)
-
-    def _output(self, name: str, value: Any) -> Any:
-        if name in self.tables.removed:
-            return self.inputs[name]
-        node = self.tables.replaced.get(name)
-        if node is None:
-            return value
-        args = self.inputs[name]
-        return node.fn(self._node_variables(node), *(args if isinstance(args, tuple) else (args,)))
-
-    def _node_variables(self, node: _Node) -> Any:
-        if node.variables is None:
-            return None
-        return self.adapter.node_variables(self.variables, node.name, node.variables)
-
-    def _call_node(self, node: _Node, value: Any) -> Any:
-        record = new_record(
-            origin=Origin.NODE,
-            path=tuple(node.name.split("/")),
-            method="__call__",
-            module_type=node.module_type,
-        )
-        self.observe(node.name, INPUT, value)
-        if is_marking():
-            mark_side(record, INPUT, ((value,), {}))
-        out = node.fn(self._node_variables(node), value)
-        if is_marking():
-            mark_side(record, OUTPUT, out)
-        self.observe(node.name, OUTPUT, out)
-        return self._after(node.name, OUTPUT, out)
-
-    def _after(self, name: str, port: str, value: Any) -> Any:
-        for node in list(self.tables.after.get((name, port), ())):
-            value = self._call_node(node, value)
-        return value
-
-    def _remark(self, event: BoundaryEvent, value: Any) -> None:
-        """Marks the original call again in the edited model's trace, under its name."""
-        if not is_marking():
-            return
-        call = event.call
-        if event.side == INPUT:
-            self.records[id(call)] = new_record(
-                origin=Origin.NODE,
-                path=call.path,
-                method="__call__",
-                module_type=call.module_type,
-            )
-            args = value if isinstance(value, tuple) else (value,)
-            mark_side(self.records[id(call)], INPUT, (args, {}))
-        else:
-            mark_side(self.records[id(call)], OUTPUT, value)
 
 
 def edit(target: Any, *args: Any, **kwargs: Any) -> Editor:

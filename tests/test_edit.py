@@ -573,14 +573,6 @@ def test_training_only_the_adapter_with_optax_decreases_the_loss(net, snap):
 # --------------------------------------------------------------------------- errors
 
 
-def test_edit_rejects_nnx_models():
-    from flax import nnx
-
-    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-    with pytest.raises(js.UnsupportedTargetError, match="NNX"):
-        js.edit(model, jnp.ones((1, 3)))
-
-
 def test_unknown_names_suggest_the_closest(net, snap):
     g = js.edit(net.model, net.variables, net.x)
     for edit in (

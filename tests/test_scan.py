@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import count_primitive, iter_eqns
 from flax import nnx
 
 import jaxslice as js
@@ -440,11 +441,36 @@ def test_the_model_inputs_as_a_second_start_recompute_positions_and_masks():
 # --------------------------------------------------------------------------- other views
 
 
-def test_interpreter_hooks_see_every_iteration(scanned):
+def test_interpreter_keeps_the_scan_and_stacks_what_its_body_emits(scanned):
     model, variables = scanned
     want = captured(variables)
 
     class Record(js.Interpreter):
+        def boundary(self, name, side, value):
+            if side == "output":
+                self.emit(name, value)
+            return value
+
+    fn = Record().build(model, variables, X)
+    out, seen = fn(variables, X)
+    close(out, want["logits"])
+    for k in range(N):
+        close(seen["layers[:]/attn"][k], want[f"layers[{k}]/attn"])
+        close(seen["layers[:]"][0][k], want[f"layers[{k}]"])
+    # One loop in the program, run N times: nothing is written out.
+    jaxpr = jax.make_jaxpr(fn)(variables, X)
+    scans = [e for e in iter_eqns(jaxpr) if e.primitive.name == "scan"]
+    assert [e.params["length"] for e in scans] == [N]
+    assert count_primitive(jaxpr, "dot_general") == 4
+
+
+def test_an_unrolling_interpreter_hooks_every_iteration_by_name(scanned):
+    model, variables = scanned
+    want = captured(variables)
+
+    class Record(js.Interpreter):
+        unroll = True
+
         def boundary(self, name, side, value):
             if side == "output":
                 self.emit(name, value)
@@ -455,6 +481,20 @@ def test_interpreter_hooks_see_every_iteration(scanned):
     for k in range(N):
         close(seen[f"layers[{k}]/attn"], want[f"layers[{k}]/attn"])
         close(seen[f"layers[{k}]"][0], want[f"layers[{k}]"])
+
+
+def test_interpreter_replaces_a_value_in_every_iteration(scanned):
+    model, variables = scanned
+
+    class ZeroMlp(js.Interpreter):
+        def boundary(self, name, side, value):
+            return jnp.zeros_like(value) if name == "layers[:]/mlp" else value
+
+    out, _ = ZeroMlp().build(model, variables, X)(variables, X)
+    # Oracle: with every mlp output zero, each block is the identity on its carry.
+    p = variables["params"]
+    h = X @ p["embed"]["kernel"] + p["embed"]["bias"]
+    close(out, h @ p["head"]["kernel"] + p["head"]["bias"])
 
 
 def test_statistics_and_coverage_take_per_iteration_names(scanned):

@@ -32,6 +32,26 @@ class Split:
     mutable: Any = False  # collections the call may update (linen's `mutable`)
 
 
+@dataclasses.dataclass(frozen=True)
+class NewModule:
+    """A module of a model's library inserted by an edit (see `Adapter.edit_node`).
+
+    Attributes:
+      fn: ``fn(variables, *args)`` calls the module purely with those variables.
+      variables: the variables the module holds (NNX, Equinox modules), or None.
+      init: ``init(key) -> variables`` for a module initialised on the values it receives
+        (linen, Haiku), or None. The editor calls it once per iteration (each with its own
+        key) where the module is inserted in every iteration of a loop.
+      structure: ``structure()`` is what else decides the call (an NNX module's graph
+        definition: its mode), or None.
+    """
+
+    fn: Callable[..., Any]
+    variables: Any = None
+    init: Callable[[Any], Any] | None = None
+    structure: Callable[[], Any] | None = None
+
+
 class Adapter:
     """How one kind of model is split, called and marked (defaults: a plain function)."""
 
@@ -43,6 +63,9 @@ class Adapter:
     has_collections: bool = False
     #: whether the model holds its variables (read with `live_variables`, not passed)
     holds_variables: bool = False
+    #: whether an edit's new modules keep their variables apart from the model's
+    #: (``{"model": ..., "nodes": ...}``), as modules that hold their own do
+    separate_nodes: bool = False
     #: whether a complete trace may be reused for a model of the same `structure_key`
     #: (or, without one, the same target) at the same signature
     caches_traces: bool = True
@@ -141,6 +164,17 @@ class Adapter:
 
     def edit_refusal(self) -> str | None:
         """Why `js.edit` cannot edit this kind of model, or None when it can."""
+        return None
+
+    def edit_node(self, obj: Any, name: str, args: tuple[Any, ...]) -> NewModule | None:
+        """A module of this kind's library as an edit's new node named `name`, which
+        receives values like `args` (one iteration's); None when `obj` is no such module
+        (a plain function, say)."""
+        return None
+
+    def edited_view(self, target: Any, edited: Any) -> Any:
+        """What `Editor.build` returns for this kind (`edited` is the edited model's
+        `js.Sliced` over ``{"model": ..., "nodes": ...}``), or None for that `js.Sliced`."""
         return None
 
     def parameter_counts(self, variables: Any) -> dict[str, int]:

@@ -43,7 +43,7 @@ from .._trees import (
     shape_key,
     tree_key,
 )
-from ._base import Adapter, Split, count_by_prefix, keywords_of, leaf_sizes, split_kwargs
+from ._base import Adapter, NewModule, Split, count_by_prefix, keywords_of, leaf_sizes, split_kwargs
 from ._parts import held_paths
 from ._patching import callable_classes, marked_calls
 
@@ -53,11 +53,6 @@ WRAPPED_MODEL = (
     "example and batch the slice: `sub = js.slice(model, x[0], end=...)`, then "
     "`jax.vmap(sub)(x)`. For layers that need a batch axis name (BatchNorm), slice a "
     "module that vmaps inside, e.g. `eqx.filter_vmap(model, axis_name='batch')`."
-)
-EDIT_REFUSAL = (
-    "js.edit does not support Equinox models: edit one with `eqx.tree_at` (e.g. "
-    "`eqx.tree_at(lambda m: m.head, model, eqx.nn.Sequential([model.head, adapter]))`), "
-    "then slice it with js.slice."
 )
 BATCH_HINT = (
     "\nEquinox models compute one example per call: if these inputs are a batch, call "
@@ -118,6 +113,7 @@ def node_at(tree: Any, path: tuple[Any, ...]) -> Any:
 
 class EquinoxAdapter(Adapter):
     model_class = ("equinox", "Module")
+    separate_nodes = True
 
     @classmethod
     def accepts(cls, target: Any) -> bool:
@@ -173,8 +169,18 @@ class EquinoxAdapter(Adapter):
     def slice_view(self, target: Any, program: Any) -> Any:
         return _slice_class()(target, program)
 
-    def edit_refusal(self) -> str | None:
-        return EDIT_REFUSAL
+    def edit_node(self, obj: Any, name: str, args: tuple[Any, ...]) -> NewModule | None:
+        if not _is_module(obj):
+            return None
+        from ._equinox_edit import node_of
+
+        fn, variables, structure = node_of(obj)
+        return NewModule(fn, variables=variables, structure=structure)
+
+    def edited_view(self, target: Any, edited: Any) -> Any:
+        from ._equinox_edit import edited_class
+
+        return edited_class()(target, edited)
 
 
 class _Programs:

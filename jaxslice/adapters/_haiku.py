@@ -25,7 +25,7 @@ from typing import Any
 from .._core.markers import Origin, call_marked, new_record
 from .._errors import InvalidSpecError, UnsupportedTargetError
 from .._trees import path_names
-from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
+from ._base import Adapter, NewModule, Split, count_by_prefix, keywords_of, split_kwargs
 
 _SKIPPED_METHODS = frozenset({"__init__"})
 
@@ -44,10 +44,6 @@ RNG_KEYWORD = (
 )
 #: the arguments Haiku's ``apply`` adds in front of the function's own
 _APPLY_ARGUMENTS = frozenset({"params", "param", "state", "rng"})
-EDIT_REFUSAL = (
-    "js.edit does not take Haiku functions: edit the function that builds the network "
-    "(add or replace modules in it), transform it again, then slice it with js.slice."
-)
 
 
 def _interceptor(next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
@@ -152,5 +148,40 @@ class HaikuAdapter(Adapter):
     def parameter_counts(self, variables: Any) -> dict[str, int]:
         return count_by_prefix(_param_sizes(variables))
 
-    def edit_refusal(self) -> str | None:
-        return EDIT_REFUSAL
+    def edit_node(self, obj: Any, name: str, args: tuple[Any, ...]) -> NewModule | None:
+        """A function that builds Haiku modules: transformed, with its modules' parameters
+        under the node's name (``adapter/linear``). A function without any is plain."""
+        import haiku as hk
+        import jax
+
+        if not callable(obj) or isinstance(obj, (hk.Module, hk.Transformed)):
+            return None
+
+        def scoped(*a: Any) -> Any:
+            with hk.name_scope(name):
+                return obj(*a)
+
+        node = hk.without_apply_rng(hk.transform(scoped))
+        shapes = jax.eval_shape(node.init, jax.random.key(0), *args)
+        if not shapes:
+            return None
+        return NewModule(
+            lambda v, *a: node.apply(v["params"], *a),
+            init=lambda key: {"params": node.init(key, *args)},
+        )
+
+    # A new node's parameters are Haiku modules named under the node: ``name/...``.
+    def node_of(self, path: tuple[Any, ...]) -> str | None:
+        names = path_names(path)
+        return names[1].split("/")[0] if len(names) > 1 else None
+
+    def with_node(self, variables: dict[Any, Any], name: str, node_variables: Any) -> None:
+        for collection, values in node_variables.items():
+            variables.setdefault(collection, {}).update(values)
+
+    def node_variables(self, variables: Any, name: str, node_variables: Any) -> Any:
+        return {c: {k: variables[c][k] for k in v} for c, v in node_variables.items()}
+
+    def variable_names(self, variables: Any) -> set[str]:
+        params = variables.get("params", {}) if isinstance(variables, Mapping) else {}
+        return {str(module).split("/")[0] for module in params}

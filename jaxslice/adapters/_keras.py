@@ -28,9 +28,9 @@ from typing import Any
 
 import jax
 
-from .._errors import InvalidSpecError, UnsupportedTargetError
+from .._errors import InvalidSpecError, SliceError, UnsupportedTargetError
 from .._trees import path_names
-from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
+from ._base import Adapter, NewModule, Split, count_by_prefix, keywords_of, split_kwargs
 from ._patching import callable_classes, marked_calls
 
 GROUPS = ("trainable", "non_trainable")
@@ -50,9 +50,10 @@ NO_RNGS = (
     'slice in training mode with `mutable=["non_trainable"]` to get the advanced '
     "seed states back, and pass them in the next call."
 )
-EDIT_REFUSAL = (
-    "js.edit does not take Keras models: edit one with Keras itself (a functional model "
-    "built from the layers you keep, with new layers inserted), then slice it."
+NODE_STATE = (
+    "The new layer {kind} updated its own non-trainable state while called (moving "
+    "statistics, random-seed states), which an edit cannot keep. Insert it in inference "
+    "mode (edit with `training=False`) or insert a layer without such state."
 )
 
 
@@ -201,5 +202,41 @@ class KerasAdapter(Adapter):
     def parameter_counts(self, variables: Any) -> dict[str, int]:
         return count_by_prefix({path[1:]: size for path, size in _weights(variables).items()})
 
-    def edit_refusal(self) -> str | None:
-        return EDIT_REFUSAL
+    def edit_node(self, obj: Any, name: str, args: tuple[Any, ...]) -> NewModule | None:
+        """A Keras layer, built on the values it receives; its variables sit under the
+        node's name in each group (``{"trainable": {name: {"kernel": ...}}}``)."""
+        import keras
+
+        if not isinstance(obj, keras.Layer):
+            return None
+        if not obj.built:
+            obj(*args)  # builds its variables for these shapes, as a first call does
+        keys = variable_keys(obj)
+        kind = type(obj).__name__
+
+        def fn(values: Any, *a: Any) -> Any:
+            trainable = [_read(values, keys[id(v)]) for v in obj.trainable_variables]
+            fixed = [_read(values, keys[id(v)]) for v in obj.non_trainable_variables]
+            out, updated = obj.stateless_call(trainable, fixed, *a)
+            if any(new is not old for new, old in zip(updated, fixed, strict=True)):
+                raise SliceError(NODE_STATE.format(kind=kind))
+            return out
+
+        variables = _nested([(keys[id(v)], v.value) for v in obj.variables])
+        return NewModule(fn, variables=variables)
+
+    # A new node's variables sit under its name in each group, as a layer's do.
+    def node_of(self, path: tuple[Any, ...]) -> str | None:
+        names = path_names(path)
+        return names[1] if len(names) > 2 else None
+
+    def with_node(self, variables: dict[Any, Any], name: str, node_variables: Any) -> None:
+        for group, values in node_variables.items():
+            if values:
+                variables.setdefault(group, {})[name] = values
+
+    def node_variables(self, variables: Any, name: str, node_variables: Any) -> Any:
+        return {g: variables[g][name] if v else {} for g, v in node_variables.items()}
+
+    def variable_names(self, variables: Any) -> set[str]:
+        return {str(k) for group in variables.values() for k in group}

@@ -23,7 +23,7 @@ from typing import Any
 from .._core.markers import StopTracing
 from .._errors import AttributeMutationError
 from .._trees import is_array
-from ._base import Adapter, Split, count_by_prefix, keywords_of, split_kwargs
+from ._base import Adapter, NewModule, Split, count_by_prefix, keywords_of, split_kwargs
 from ._nnx_state import flat_state, get_value, set_value, state_from_flat
 from ._patching import callable_classes, marked_calls
 
@@ -74,13 +74,6 @@ def _tagged(modules: list[Any], paths: dict[int, tuple[str, ...]]) -> Iterator[N
             node.__dict__.pop(_PATH_ATTRIBUTE, None)
 
 
-EDIT_REFUSAL = (
-    "js.edit does not support Flax NNX models: edit an NNX model by assigning new "
-    "submodules to it (e.g. `model.head = nnx.Sequential(model.head, adapter)`), "
-    "then slice it with js.slice."
-)
-
-
 class NNXAdapter(Adapter):
     state_includes_variables = True
     holds_variables = True
@@ -109,8 +102,20 @@ class NNXAdapter(Adapter):
 
         return SlicedModule(target, program)
 
-    def edit_refusal(self) -> str | None:
-        return EDIT_REFUSAL
+    def edit_node(self, obj: Any, name: str, args: tuple[Any, ...]) -> NewModule | None:
+        from flax import nnx
+
+        if not isinstance(obj, nnx.Module):
+            return None
+        from ._nnx_edit import node_of
+
+        fn, variables, structure = node_of(obj)
+        return NewModule(fn, variables=variables, structure=structure)
+
+    def edited_view(self, target: Any, edited: Any) -> Any:
+        from ._nnx_edit import EditedModule
+
+        return EditedModule(target, edited)
 
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         from flax import nnx

@@ -1,0 +1,537 @@
+"""One evaluator for traced programs, with a rule per primitive where jaxslice changes meaning.
+
+`evaluate` runs a traced graph again as an ordinary JAX function, binding its equations one
+by one (as `jax.core.eval_jaxpr` does), and shows `Hooks` every module call's two sides and
+every equation; a hook may replace the values it is shown. `js.Interpreter`, `js.edit` and
+the observers built on them are clients of this one evaluator.
+
+Model: the flat graph's equations run in program order, with boundary events at the
+positions where calls open and close. Inside a loop body there is no flat graph: the body
+jaxpr is walked with these rules, looked up per equation:
+
+* a marker equation is gathered with the markers next to it of the same call side and
+  shown to the hooks as one value (the call's arguments, or its result);
+* a call-like equation (jit, remat, custom_jvp/vjp) whose body holds boundaries runs its
+  body inline, so its calls are seen (as at the top level, where the graph inlines them);
+* a `scan` whose body holds boundaries **stays a scan**: a new `lax.scan` whose body is
+  evaluated by these same rules, so hooks run once, at trace time, on one iteration's
+  values, and see its calls by their per-iteration names with ``[:]``
+  (``layers[:]/mlp``). Iterations the hooks ask to see on their own (`Hooks.split_rows`)
+  run outside the scan, between scans over the row ranges around them, and are named
+  by their index (``layers[3]/mlp``), as slices split loops;
+* every other equation is bound as it is.
+
+Values hooks compute inside a loop body and want outside it (an interpreter's `emit`)
+leave the loop as extra stacked results (`Hooks.open_loop`/`close_loop`/`leave_loop`).
+
+Sharp edges: hooks that replace a value must keep its structure, shapes and dtypes inside
+a loop body (a scan's carry is fixed); a replaced input is seen only by the call's own
+equations. Boundaries in `while` and `cond` bodies are not shown (those run as they are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import jax
+
+from .. import _compat
+from .._errors import SliceError
+from .emit import assemble
+from .graph import Call, Graph, innermost
+from .markers import INPUT, PLACEHOLDER
+from .names import STACKED, fill
+from .ports import Port, array_ids, port_value_tree
+
+# --------------------------------------------------------------------------- hooks
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundaryEvent:
+    """One side of one module call, as a hook sees it.
+
+    Attributes:
+      call: the call as the traced graph lists it.
+      side: ``"input"`` or ``"output"``.
+      value: the call's array arguments (one, or a tuple of them) or its result pytree.
+      path: for a call inside scans, per enclosing scan (outermost first), the iteration
+        it runs in where that is fixed, or ``":"`` inside a scan.
+      rows: per enclosing scan, the iteration index: an int, or a traced int32 inside a
+        scan (so a hook can read row k of a stacked array in iteration k).
+      split: whether an enclosing scan runs in pieces (`Hooks.split_rows`).
+    """
+
+    call: Call
+    side: str
+    value: Any
+    path: tuple[Any, ...] = ()
+    rows: tuple[Any, ...] = ()
+    split: bool = False
+
+    @property
+    def name(self) -> str:
+        """The call's qualified name (``block/conv``, ``layers[:]/mlp``, ``layers[3]/mlp``)."""
+        return self._named(self.path)
+
+    @property
+    def stacked_name(self) -> str:
+        """The name of this call in every iteration (``layers[:]/mlp``); `name` elsewhere."""
+        return self._named(tuple(STACKED for _ in self.path))
+
+    def _named(self, path: tuple[Any, ...]) -> str:
+        if not path or self.call.template is None:
+            return self.call.qualname
+        name = fill(self.call.template, path)
+        return name if self.call.count == 1 else f"{name}@{self.call.index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Equation:
+    """What an `Interpreter.equation` hook learns about one equation.
+
+    Attributes:
+      primitive: the primitive's name (``"dot_general"``, ``"max"``, ...).
+      params: the primitive's parameters.
+      index: the equation's position in the flat program (for an equation inside a loop
+        body, the position of the loop).
+      scopes: the `jax.named_scope` names active at it.
+      boundary: the innermost module call it belongs to (a qualified name), or None.
+      source: ``file:line`` of the model code that produced it, when known.
+    """
+
+    primitive: str
+    params: dict[str, Any]
+    index: int
+    scopes: tuple[str, ...]
+    boundary: str | None
+    source: str | None
+
+
+class Hooks:
+    """What `evaluate` calls; every method has a default that changes nothing."""
+
+    #: whether call-like equations without boundaries run through their bodies
+    recurse: bool = False
+
+    def on_boundary(self, event: BoundaryEvent) -> Any:
+        """One side of a call: returns its value or a replacement of the same structure."""
+        return event.value
+
+    def equation(self, eqn: Equation, inputs: list[Any], outputs: list[Any]) -> list[Any]:
+        """One equation, after it ran: returns its outputs or replacements."""
+        return outputs
+
+    def split_rows(self, calls: Collection[tuple[str, int]]) -> Collection[int]:
+        """Iterations of a scan to run on their own (outside a scan). The scan is known by
+        the calls in its body: ``(template, depth)``, the template name of each (see
+        `Call.template`) and the slot of that name that this scan fills."""
+        return ()
+
+    def open_loop(self) -> Any:
+        """Called before a loop body is evaluated; returns a token for `close_loop`."""
+        return None
+
+    def close_loop(self, token: Any) -> dict[Any, Any]:
+        """Called after a loop body: the per-iteration values that must leave the loop."""
+        return {}
+
+    def leave_loop(self, values: dict[Any, Any]) -> None:
+        """Receives `close_loop`'s values stacked over the loop's iterations."""
+
+
+HOOK_STRUCTURE = (
+    "The boundary hook for {name!r} ({side}) returned a value of structure {got}; it must "
+    "keep the structure {want}."
+)
+
+
+def _leaves_like(new: Any, value: Any, name: str, side: str) -> list[Any]:
+    """The leaves of a hook's replacement `new`, which must have `value`'s structure."""
+    leaves, treedef = jax.tree_util.tree_flatten(new)
+    want = jax.tree_util.tree_structure(value)
+    if treedef != want:
+        raise SliceError(HOOK_STRUCTURE.format(name=name, side=side, got=treedef, want=want))
+    return leaves
+
+
+# --------------------------------------------------------------------------- the flat graph
+
+
+def _events(graph: Graph) -> dict[int, list[tuple[float, str, Call]]]:
+    """Boundary events by equation position, in the order they happen there.
+
+    Calls that share a position open in the order of their first input marker and close in
+    that of their last output marker (`Call.in_seq`, `Call.out_seq`). Scope regions have no
+    markers: their orders (infinite by default) open them after, and close them before,
+    the marked calls there.
+    """
+    events: dict[int, list[tuple[float, str, Call]]] = {}
+    for call in _outside_loops(graph):
+        events.setdefault(call.start, []).append((call.in_seq, INPUT, call))
+        events.setdefault(call.stop, []).append((call.out_seq, "output", call))
+    for evs in events.values():
+        evs.sort(key=lambda e: e[0])
+    return events
+
+
+def _outside_loops(graph: Graph) -> list[Call]:
+    return [c for c in graph.calls if c.loop is None]
+
+
+class _Env:
+    """Values by id; a replaced input is seen only by its own call's equations."""
+
+    def __init__(self, values: dict[int, Any]):
+        self.values = values
+        self.overlays: list[tuple[int, dict[int, Any]]] = []
+
+    def read(self, v: int, pos: int) -> Any:
+        for stop, values in reversed(self.overlays):
+            if stop > pos and v in values:
+                return values[v]
+        return self.values[v]
+
+    def advance(self, pos: int) -> None:
+        self.overlays[:] = [o for o in self.overlays if o[0] > pos]
+
+
+def evaluate(
+    graph: Graph,
+    hooks: Hooks,
+    var_values: list[Any],
+    rng_values: list[Any],
+    inputs: list[Any],
+    *,
+    with_state: bool = False,
+) -> Any:
+    """Runs `graph` equation by equation, calling `hooks`; returns the model's output
+    (with `with_state`, ``(output, values of graph.state_ids)``: the state it updated)."""
+    values = dict(graph.consts)
+    values.update(zip(graph.variable_ids, var_values, strict=True))
+    values.update(zip(graph.rng_ids, rng_values, strict=False))
+    values.update(zip(graph.input_ids, inputs, strict=True))
+    env = _Env(values)
+    events = _events(graph)
+    owners = innermost(_outside_loops(graph), len(graph.eqns))
+    loops = _Loops(graph, hooks)
+    # Regions inlined only to drop dead code run as their original equation here, as
+    # the hooks saw them before inlining (unless the hooks look inside call-like ones).
+    whole = (
+        {}
+        if hooks.recurse
+        else {r.start: r for r in graph.regions if r.opaque and r.stop > r.start}
+    )
+    pos = 0
+    while pos < len(graph.eqns):
+        _boundaries(graph, hooks, env, pos, events.get(pos, ()))
+        region = whole.get(pos)
+        eqn = region.eqn if region else graph.eqns[pos]
+        owner = owners[pos].qualname if owners[pos] else None
+        at = _At(pos, eqn.scopes, [owner] if owner else [])
+        ins = [env.read(v, pos) for v in eqn.ins]
+        env.values.update(zip(eqn.outs, loops.run(eqn.jax_eqn, ins, at), strict=True))
+        pos = region.stop if region else pos + 1
+    end = len(graph.eqns)
+    _boundaries(graph, hooks, env, end, events.get(end, ()))
+    out_tree = jax.tree_util.tree_unflatten(graph.out_tree, graph.out_slots)
+    out = assemble(out_tree, [env.values[v] for v in array_ids(graph.out_slots)])
+    return (out, [env.values[v] for v in graph.state_ids]) if with_state else out
+
+
+def _boundaries(
+    graph: Graph, hooks: Hooks, env: _Env, pos: int, events: Sequence[tuple[float, str, Call]]
+) -> None:
+    """The boundary events at equation position `pos`, in order."""
+    env.advance(pos)
+    for _, side, call in events:
+        tree = port_value_tree(graph, Port(call.qualname, call, side))
+        ids = array_ids(jax.tree_util.tree_leaves(tree))
+        value = assemble(tree, [env.read(v, pos) for v in ids])
+        new = hooks.on_boundary(BoundaryEvent(call, side, value))
+        if new is value:
+            continue
+        leaves = _leaves_like(new, value, call.qualname, side)
+        if side == INPUT:  # seen only by the call's own equations
+            env.overlays.append((call.stop, dict(zip(ids, leaves, strict=True))))
+        else:
+            env.values.update(zip(ids, leaves, strict=True))
+
+
+# --------------------------------------------------------------------------- loop bodies
+
+
+@dataclasses.dataclass
+class _At:
+    """Where equations run, as hooks see them: the flat position, the scopes, the calls
+    open around them (innermost last), and the iteration of each enclosing scan."""
+
+    pos: int
+    scopes: tuple[str, ...]
+    owners: list[str]
+    path: tuple[Any, ...] = ()
+    rows: tuple[Any, ...] = ()
+    inner: bool = False  # in a body: an equation's own scopes add to these
+    split: bool = False  # inside a scan that runs in pieces
+
+    def inside(self, iteration: Any, row: Any, split: bool) -> _At:
+        path, rows = (*self.path, iteration), (*self.rows, row)
+        return _At(self.pos, self.scopes, list(self.owners), path, rows, True, self.split or split)
+
+    def info(self, eqn: Any) -> Equation:
+        scopes = self.scopes + _compat.eqn_scopes(eqn) if self.inner else self.scopes
+        owner = self.owners[-1] if self.owners else None
+        return Equation(
+            _compat.primitive_name(eqn),
+            dict(eqn.params),
+            self.pos,
+            scopes,
+            owner,
+            _compat.source_line(eqn),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    """Stands for array leaf `leaf` of a call side while its value tree is built."""
+
+    leaf: int
+
+
+class _Loops:
+    """The rules for equations: loops kept as scans, call-like bodies with boundaries inline."""
+
+    def __init__(self, graph: Graph, hooks: Hooks):
+        self.hooks = hooks
+        self.calls = {
+            id(c.record): c
+            for c in graph.calls
+            if c.loop is not None and c.record is not None and c.template is not None
+        }
+        self._holds: dict[int, bool] = {}
+        # Each scan with calls in its body -> ``(template, depth)`` of those calls.
+        self.templates: dict[int, set[tuple[str, int]]] = {}
+        for call in self.calls.values():
+            for depth, site in enumerate(call.loop.chain()):
+                self.templates.setdefault(id(site.eqn), set()).add((call.template, depth))
+
+    def holds(self, eqn: Any) -> bool:
+        """Whether a boundary the graph lists is inside `eqn`'s bodies (at any depth)."""
+        return any(self._jaxpr_holds(j) for j in _compat.subjaxprs(eqn))
+
+    def _jaxpr_holds(self, jaxpr: Any) -> bool:
+        found = self._holds.get(id(jaxpr))
+        if found is None:
+            found = any(
+                self._is_ours(_compat.marker_payload(e)) or self.holds(e) for e in jaxpr.eqns
+            )
+            self._holds[id(jaxpr)] = found
+        return found
+
+    def _is_ours(self, marker: Any) -> bool:
+        return marker is not None and id(marker.record) in self.calls
+
+    # ------------------------------------------------------------------ one equation
+
+    def run(self, eqn: Any, ins: list[Any], at: _At) -> list[Any]:
+        """One equation by its rule; the equation hook sees those that are bound."""
+        if _compat.loop_primitive(eqn) == "scan" and self.holds(eqn):
+            return self.scan(eqn, ins, at)
+        body = _compat.call_body(eqn)
+        if body is not None and (self.hooks.recurse or self.holds(eqn)):
+            inner = at if at.inner else dataclasses.replace(at, inner=True)
+            return self.body(body[0], body[1], ins, inner)
+        outs = _compat.bind_eqn(eqn, ins)
+        return self.hooks.equation(at.info(eqn), ins, outs)
+
+    def body(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], at: _At) -> list[Any]:
+        """A jaxpr evaluated by the rules, its markers shown to the hooks."""
+        env: dict[Any, Any] = {}
+        overlays: list[tuple[int, dict[Any, Any]]] = []  # replaced inputs, by record
+
+        def read(atom: Any) -> Any:
+            if _compat.is_literal(atom):
+                return _compat.literal_value(atom)
+            for _, values in reversed(overlays):
+                if atom in values:
+                    return values[atom]
+            return env[atom]
+
+        _write(env, jaxpr.constvars, consts)
+        _write(env, jaxpr.invars, args)
+        eqns, i = jaxpr.eqns, 0
+        while i < len(eqns):
+            marker = _compat.marker_payload(eqns[i])
+            if marker is None:
+                _write(
+                    env, eqns[i].outvars, self.run(eqns[i], [read(a) for a in eqns[i].invars], at)
+                )
+                i += 1
+                continue
+            j = i + 1  # the markers of one call side are bound one after another
+            while j < len(eqns) and _same_side(_compat.marker_payload(eqns[j]), marker):
+                j += 1
+            if self._is_ours(marker):
+                self._boundary(eqns[i:j], read, env, overlays, at)
+            i = j
+        return [read(a) for a in jaxpr.outvars]
+
+    def _boundary(
+        self, markers: Sequence[Any], read: Any, env: dict, overlays: list, at: _At
+    ) -> None:
+        first = _compat.marker_payload(markers[0])
+        record, side = first.record, first.side
+        found = {}
+        for m in markers:
+            leaf = _compat.marker_payload(m).leaf
+            if leaf != PLACEHOLDER:
+                found[leaf] = m.invars[0]
+        refs = _side_refs(record, side)
+        value = jax.tree_util.tree_map(lambda r: read(found[r.leaf]), refs)
+        event = BoundaryEvent(self.calls[id(record)], side, value, at.path, at.rows, at.split)
+        if side == INPUT:
+            at.owners.append(event.name)
+        new = self.hooks.on_boundary(event)
+        if side != INPUT:
+            overlays[:] = [o for o in overlays if o[0] != id(record)]
+            if at.owners:
+                at.owners.pop()
+        if new is value:
+            return
+        new_leaves = _leaves_like(new, value, event.name, side)
+        order = jax.tree_util.tree_leaves(refs)
+        replaced = {
+            found[r.leaf]: x
+            for r, x in zip(order, new_leaves, strict=True)
+            if not _compat.is_literal(found[r.leaf])
+        }
+        if side == INPUT:
+            overlays.append((id(record), replaced))
+        else:
+            env.update(replaced)
+
+    # ------------------------------------------------------------------ scans
+
+    def scan(self, eqn: Any, ins: list[Any], at: _At) -> list[Any]:
+        """A scan whose body holds boundaries, as scans over row ranges (one, unless the
+        hooks split iterations out) whose bodies run through the rules."""
+        parts = _compat.scan_parts(eqn)
+        n, nc, nk = parts.length, parts.num_consts, parts.num_carry
+        if n == 0:
+            return _compat.bind_eqn(eqn, ins)
+        asked = self.hooks.split_rows(frozenset(self.templates.get(id(eqn), ())))
+        rows = {k % n for k in asked if -n <= k < n}
+        pieces = _pieces(n, rows)
+        carry, done = list(ins[nc : nc + nk]), {}
+        for a, b in reversed(pieces) if parts.reverse else pieces:
+            xs = [jax.lax.slice_in_dim(x, a, b) for x in ins[nc + nk :]]
+            run = self._iteration if a in rows else self._rows
+            carry, ys, out = run(parts, ins[:nc], carry, xs, (a, b), at, bool(rows))
+            done[a] = (ys, out)
+        ordered = [done[a] for a, _ in pieces]
+        ys = [_concat([r[0][i] for r in ordered]) for i in range(len(parts.jaxpr.outvars) - nk)]
+        leaving: dict[Any, list[Any]] = {}
+        for _, out in ordered:
+            for key, value in out.items():
+                leaving.setdefault(key, []).append(value)
+        if leaving:
+            self.hooks.leave_loop({k: _concat(v) for k, v in leaving.items()})
+        return [*carry, *ys]
+
+    def _iteration(
+        self,
+        parts: Any,
+        consts: list,
+        carry: list,
+        xs: list,
+        rows: tuple[int, int],
+        at: _At,
+        split: bool,
+    ) -> tuple[list, list, dict]:
+        """Iteration ``rows[0]`` run on its own, named by its index."""
+        k, nk = rows[0], parts.num_carry
+        x_k = [jax.lax.index_in_dim(x, 0, keepdims=False) for x in xs]
+        token = self.hooks.open_loop()
+        outs = self.body(parts.jaxpr, parts.consts, [*consts, *carry, *x_k], at.inside(k, k, split))
+        out = self.hooks.close_loop(token)
+        return (
+            outs[:nk],
+            [y[None] for y in outs[nk:]],
+            {key: jax.numpy.asarray(v)[None] for key, v in out.items()},
+        )
+
+    def _rows(
+        self,
+        parts: Any,
+        consts: list,
+        carry: list,
+        xs: list,
+        rows: tuple[int, int],
+        at: _At,
+        split: bool,
+    ) -> tuple[list, list, dict]:
+        """Iterations ``a:b`` as one scan; the row index is carried for the hooks."""
+        a, b = rows
+        nk = parts.num_carry
+        first, move = (b - 1, -1) if parts.reverse else (a, 1)
+
+        def step(state: tuple[list[Any], Any], x: list[Any]) -> Any:
+            c, i = state
+            token = self.hooks.open_loop()
+            args = [*consts, *c, *x]
+            outs = self.body(parts.jaxpr, parts.consts, args, at.inside(STACKED, i, split))
+            out = self.hooks.close_loop(token)
+            return (outs[:nk], i + move), (outs[nk:], out)
+
+        start = (list(carry), jax.numpy.int32(first))
+        (carry, _), (ys, out) = jax.lax.scan(
+            step, start, xs, length=b - a, reverse=parts.reverse, unroll=_unroll(parts, b - a)
+        )
+        return list(carry), list(ys), dict(out)
+
+
+def _side_refs(record: Any, side: str) -> Any:
+    """A call side's value tree with a `_Ref` per array leaf: the result, or the
+    positional arguments (one, or a tuple of them; the keywords if there are none)."""
+    if side == INPUT:
+        is_array = record.in_is_array
+        leaves = [_Ref(i) if a else None for i, a in enumerate(is_array)]
+        args, kwargs = jax.tree_util.tree_unflatten(record.in_tree, leaves)
+        if not args:
+            return kwargs
+        return args[0] if len(args) == 1 else tuple(args)
+    statics = record.out_statics
+    leaves = [_Ref(i) if a else statics[i] for i, a in enumerate(record.out_is_array)]
+    return jax.tree_util.tree_unflatten(record.out_tree, leaves)
+
+
+def _same_side(marker: Any, first: Any) -> bool:
+    return marker is not None and marker.record is first.record and marker.side == first.side
+
+
+def _pieces(length: int, rows: Collection[int]) -> list[tuple[int, int]]:
+    """Row ranges ``(a, b)`` covering ``0:length`` in order, each of `rows` on its own."""
+    cuts = sorted({0, length} | set(rows) | {k + 1 for k in rows})
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def _unroll(parts: Any, length: int) -> Any:
+    """The scan's `unroll`, at most the number of iterations a piece runs."""
+    unroll = parts.unroll
+    if isinstance(unroll, int) and not isinstance(unroll, bool):
+        return max(1, min(unroll, length))
+    return unroll
+
+
+def _concat(values: list[Any]) -> Any:
+    return values[0] if len(values) == 1 else jax.numpy.concatenate(values, axis=0)
+
+
+def _write(env: dict[Any, Any], atoms: Sequence[Any], values: Sequence[Any]) -> None:
+    for v, x in zip(atoms, values, strict=True):
+        if not _compat.is_dropvar(v):
+            env[v] = x
+
+
+_compat.register_frames_exclusion(__file__)

@@ -1,0 +1,247 @@
+"""What an edit adds, and where: new nodes, edit sites, edit records and their replay.
+
+An edit is an immutable record (`Edit`): what it does (insert, replace, remove), where
+(`Site`: a boundary, an iteration of one inside scans or all of them, or a node inserted
+before) and the new `Node` (a function of the value there, of the node's own variables and
+of call-time inputs). `Tables` replays a tuple of records into what happens at each
+boundary of the edited model; the edited model (`_edited.py`) reads only the tables.
+
+Nodes are functions, or modules: a linen module is initialised here (once per iteration
+when it is inserted at every iteration of a loop, each row from its own key); modules of
+libraries whose modules hold their variables (NNX, Equinox) come from their adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from ._core.markers import OUTPUT
+from ._errors import InvalidSpecError
+from .adapters._base import NewModule
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    name: str
+    fn: Callable[..., Any]  # fn(node_variables, *args, *call_inputs) -> output
+    module: Any  # the linen module, or None for a plain function
+    variables: Any  # its own variables ({collection: ...} for linen), or None
+    inputs: tuple[str, ...] = ()  # names of its call-time inputs
+    samples: tuple[Any, ...] = ()  # their shapes and dtypes (`jax.ShapeDtypeStruct`s)
+    # Loop lengths its variables and call-time inputs are stacked over: one per ``[:]``
+    # of the name it was inserted at, outermost first.
+    stacked: tuple[int, ...] = ()
+    depths: tuple[int, ...] = ()  # which enclosing loops those are (their depths)
+    # What of the node, besides its variables, decides the edited program (an NNX
+    # module's graph definition: its mode); None where nothing can change.
+    structure_of: Callable[[], Any] | None = None
+
+    @property
+    def structure(self) -> Any:
+        return self.structure_of() if self.structure_of is not None else None
+
+    @property
+    def module_type(self) -> str:
+        if self.module is not None:
+            return type(self.module).__name__
+        return getattr(self.fn, "__name__", "function")
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where an edit acts: a call (or inserted node) by its qualified name, and a port.
+
+    For a call inside scans, `name` holds its iterations (``layers[3]/mlp`` or
+    ``layers[:]/mlp``), `stacked` the same name with ``[:]`` in every slot, `lengths` the
+    lengths of the loops it names with ``[:]``, and `splits` ``(template, depth, k)`` for
+    each loop it names one iteration of (that iteration then runs on its own).
+    """
+
+    name: str
+    port: str
+    stacked: str
+    lengths: tuple[int, ...] = ()
+    depths: tuple[int, ...] = ()  # the depths of the loops in `lengths`
+    splits: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Edit:
+    op: str  # "insert", "replace" or "remove"
+    at: Site
+    node: Node | None = None
+
+
+@dataclasses.dataclass
+class Tables:
+    """The edits replayed: what happens at each boundary of the edited model."""
+
+    after: dict[tuple[str, str], list[Node]] = dataclasses.field(default_factory=dict)
+    replaced: dict[str, Node] = dataclasses.field(default_factory=dict)
+    removed: set[str] = dataclasses.field(default_factory=set)
+    inserted: dict[str, Node] = dataclasses.field(default_factory=dict)
+    splits: set[tuple[str, int, int]] = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def of(cls, edits: tuple[Edit, ...]) -> Tables:
+        t = cls()
+        for e in edits:
+            getattr(t, f"_{e.op}")(e)
+        t.splits = {split for e in edits for split in e.at.splits}
+        return t
+
+    def _insert(self, e: Edit) -> None:
+        self.after.setdefault((e.at.name, e.at.port), []).append(e.node)
+        self.inserted[e.node.name] = e.node
+
+    def _replace(self, e: Edit) -> None:
+        at = e.at.name
+        if at in self.inserted:
+            old = self.inserted[at]
+            self.inserted[at] = e.node
+            for nodes in self.after.values():
+                nodes[:] = [e.node if n is old else n for n in nodes]
+            return
+        self.removed.discard(at)
+        self.replaced[at] = e.node
+
+    def _remove(self, e: Edit) -> None:
+        at = e.at.name
+        if at not in self.inserted:
+            self.replaced.pop(at, None)
+            self.removed.add(at)
+            return
+        node = self.inserted.pop(at)
+        following = self.after.pop((at, OUTPUT), [])
+        for nodes in self.after.values():
+            if node in nodes:
+                i = nodes.index(node)
+                nodes[i : i + 1] = following
+
+    def nodes(self) -> list[Node]:
+        return list(self.inserted.values()) + list(self.replaced.values())
+
+    def call_inputs(self) -> dict[str, tuple[Node, Any]]:
+        """``{name: (node, sample)}`` of every call-time input of the edited model."""
+        return {
+            name: (node, sample)
+            for node in self.nodes()
+            for name, sample in zip(node.inputs, node.samples, strict=True)
+        }
+
+
+def is_linen(obj: Any) -> bool:
+    from .adapters._linen import LinenAdapter
+
+    return LinenAdapter.accepts(obj)
+
+
+def new_node(
+    adapter: Any, obj: Any, key: Any, name: str, site: Site, args: tuple[Any, ...]
+) -> Node:
+    """A node named `name` calling `obj` at `site`, which receives values like `args`
+    (one iteration's): a module of the model's library (its adapter's `edit_node`), a
+    linen module, or a function."""
+    zeros = jax.tree_util.tree_map(lambda a: jax.numpy.zeros(a.shape, a.dtype), args)
+    found = adapter.edit_node(obj, name, zeros)
+    if found is None and is_linen(obj):
+        found = NewModule(lambda v, *a: obj.apply(v, *a), init=lambda k: dict(obj.init(k, *zeros)))
+    if found is None:
+        if not callable(obj):
+            raise InvalidSpecError(
+                f"Expected a function or a module of the model's library, got {type(obj).__name__}."
+            )
+        return Node(name, lambda v, *a: obj(*a), None, None)
+    if found.init is None:
+        check_rows(name, found.variables, site)
+        variables = found.variables
+    elif key is None:
+        raise InvalidSpecError(
+            f"The module {type(obj).__name__} needs `key=` to initialise its variables, e.g. "
+            "key=jax.random.key(0)."
+        )
+    else:
+        variables = init_rows(found.init, key, site.lengths)
+    return Node(name, found.fn, obj, variables, structure_of=found.structure)
+
+
+def init_rows(init: Callable[[Any], Any], key: Any, lengths: tuple[int, ...]) -> Any:
+    """``init(key)``, or, inside loops (`lengths`), one row per iteration, each row from
+    its own key, stacked on leading axes like the model's own scanned variables."""
+    if not lengths:
+        return init(key)
+    keys = jax.random.split(key, math.prod(lengths))
+    keys = keys.reshape(*lengths, *keys.shape[1:])
+    for _ in lengths:
+        init = jax.vmap(init)
+    return init(keys)
+
+
+def check_rows(name: str, variables: Any, site: Site) -> None:
+    """A module inserted at ``[:]`` holds one row of variables per iteration."""
+    if not site.lengths:
+        return
+    lead = len(site.lengths)
+    bad = [
+        list(jax.numpy.shape(x))
+        for x in jax.tree_util.tree_leaves(variables)
+        if tuple(jax.numpy.shape(x)[:lead]) != site.lengths
+    ]
+    if bad:
+        raise InvalidSpecError(
+            f"{name!r} is inserted at {site.name!r}, in every iteration of a loop, so its "
+            f"variables need leading axes {list(site.lengths)} (one row per iteration), as "
+            f"the model's own scanned layers have; it has variables of shapes {bad[:3]}. "
+            "Create it stacked, e.g. with `nnx.vmap` over split keys "
+            "(`nnx.vmap(lambda k: Lora(rngs=nnx.Rngs(k)))(jax.random.split(key, n))`)."
+        )
+
+
+def call_input_specs(
+    inputs: Any, args: tuple[Any, ...], site: Site
+) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """Names and shapes of a node's call-time inputs (with the loops' leading axes)."""
+    if isinstance(inputs, str):
+        inputs = (inputs,)
+    given = dict(inputs) if isinstance(inputs, Mapping) else dict.fromkeys(inputs)
+    bad = [n for n in given if not (isinstance(n, str) and n.isidentifier())]
+    if bad:
+        raise InvalidSpecError(
+            f"Call-time inputs are named by Python identifiers (they are keyword arguments "
+            f"of the edited model); got {bad}."
+        )
+    samples = []
+    for name, sample in given.items():
+        if sample is None:
+            if len(args) != 1 or not hasattr(args[0], "shape"):
+                raise InvalidSpecError(
+                    f"The call-time input {name!r} cannot take the shape of the value at "
+                    f"{site.name!r}, which is not one array; give it as "
+                    f"inputs={{{name!r}: jax.ShapeDtypeStruct(shape, dtype)}}."
+                )
+            sample = jax.ShapeDtypeStruct((*site.lengths, *args[0].shape), args[0].dtype)
+        sample = jax.ShapeDtypeStruct(jax.numpy.shape(sample), jax.numpy.result_type(sample))
+        if tuple(sample.shape[: len(site.lengths)]) != site.lengths:
+            raise InvalidSpecError(
+                f"The call-time input {name!r} at {site.name!r} needs leading axes "
+                f"{list(site.lengths)} (one row per iteration); its example has shape "
+                f"{list(sample.shape)}."
+            )
+        samples.append(sample)
+    return tuple(given), tuple(samples)
+
+
+def describe_shapes(tree: Any) -> str:
+    return str(jax.tree_util.tree_map(lambda x: f"{x.dtype}{list(x.shape)}", tree))
+
+
+def same_shapes(a: Any, b: Any) -> bool:
+    if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):
+        return False
+    pairs = zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+    return all(x.shape == y.shape and x.dtype == y.dtype for x, y in pairs)

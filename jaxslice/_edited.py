@@ -1,0 +1,411 @@
+"""The edited model: a model's traced program evaluated with the edits applied.
+
+`EditPlan` is a snapshot of an editor (the model's program, the replayed edit tables and
+where the variables live), so an edited model never changes after it is built. The edited
+model is a plain function ``fn(variables, *inputs, **call_inputs)`` (`EditedModel`) that
+evaluates the model's program through `_core.evaluate` with hooks (`EditHooks`) that
+apply the edits at each boundary and mark every call again under its name, so that it
+can be traced and sliced like any plain function. `Edited` is what `build` returns for
+linen models and plain functions: a `js.Sliced` of it, whose `export` takes the
+call-time inputs.
+
+Variables, by where a kind keeps a new module's variables:
+
+* nested (linen, plain functions): the model's variables with each new module's under its
+  node name (`Adapter.with_node`);
+* separate (NNX, Equinox: modules hold their variables): ``{"model": ..., "nodes":
+  {name: ...}}``; for a model that holds its variables (NNX) the model's values are keyed
+  by their ``/``-joined paths and read live from the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from . import _compat
+from ._core.evaluate import BoundaryEvent, Hooks
+from ._core.evaluate import evaluate as evaluate_graph
+from ._core.markers import INPUT, OUTPUT, Origin, is_marking, mark_side, new_record
+from ._core.names import STACKED
+from ._core.program import SliceProgram
+from ._edit_nodes import Node, Tables, describe_shapes, same_shapes
+from ._errors import InputMismatchError, InvalidSpecError
+from ._sliced import Sliced
+from ._trees import abstract_tree, prune
+from .adapters._plain import PlainAdapter
+
+CALL_INPUTS = (
+    "The edited model takes the call-time input(s) {names} as keyword arguments: "
+    "`edited(*inputs, {example})`. {problem}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EditPlan:
+    """What an edited model evaluates: the model's program and the edits, replayed."""
+
+    program: SliceProgram  # the model's, before editing
+    target: Any
+    tables: Tables
+    variables: Any  # the model's own, as its adapter splits them
+    paths: dict[str, tuple[Any, ...]]  # for a model that holds its variables: key -> path
+
+    @property
+    def live(self) -> bool:
+        """Whether the model holds its variables (read from it at each call)."""
+        return self.program.adapter.holds_variables
+
+    @property
+    def separate(self) -> bool:
+        """Whether new modules' variables are kept apart from the model's."""
+        return self.live or self.program.adapter.separate_nodes
+
+    def structure(self) -> Any:
+        """What decides the edited program besides its arguments: the model's structure
+        (an NNX model's graph definition: its modes) and the new modules' modes."""
+        return (
+            self.program.adapter.structure_key(self.target),
+            tuple(n.structure for n in self.tables.nodes()),
+        )
+
+    def edited_variables(self) -> Any:
+        """The edited model's variables: the model's, plus those of new modules."""
+        nodes = [n for n in self.tables.nodes() if n.variables is not None]
+        adapter = self.program.adapter
+        if self.separate:
+            model = self.variables
+            if self.live:
+                live = adapter.live_variables(self.target)
+                model = {joined(p): v for p, v in live.items()}
+            return {"model": model, "nodes": {n.name: n.variables for n in nodes}}
+        base = self.variables
+        if not nodes:
+            return base
+        if not isinstance(base, Mapping):
+            raise InvalidSpecError(
+                "New modules bring variables, but the model's variables are not a dict, so "
+                "there is no place for them. Use a dict of parameters, or insert plain functions."
+            )
+        flat = jax.tree_util.tree_flatten_with_path(base)[0]
+        out = prune(base, {p for p, _ in flat if self.owner(p) is None}) or {}
+        out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in out.items()}
+        for node in nodes:
+            adapter.with_node(out, node.name, node.variables)
+        return out
+
+    def model_values(self, variables: Any) -> dict[Any, Any]:
+        """The model's variable values by path, from the edited model's `variables`.
+
+        Variables a new module now owns are taken from the model as it was: replaced
+        modules' equations still read them (they are dead code)."""
+        if self.live:
+            return {self.paths[k]: v for k, v in variables["model"].items()}
+        if self.separate:
+            return self.program.adapter.flat_values(variables["model"])
+        flat = jax.tree_util.tree_flatten_with_path
+        owned = {p: x for p, x in flat(variables)[0] if self.owner(p) is None}
+        return {**dict(flat(self.variables)[0]), **owned}
+
+    def node_values(self, variables: Any, node: Node) -> Any:
+        if node.variables is None:
+            return None
+        if self.separate:
+            return variables["nodes"][node.name]
+        return self.program.adapter.node_variables(variables, node.name, node.variables)
+
+    def owner(self, path: tuple[Any, ...]) -> Node | None:
+        """The new node whose variables live at `path` of nested variables, if any."""
+        if self.separate:
+            return None
+        name = self.program.adapter.node_of(path)
+        nodes = self.tables.nodes()
+        return next((n for n in nodes if n.variables is not None and name == n.name), None)
+
+
+class EditedAdapter(PlainAdapter):
+    """The edited model as a plain function. Its boundaries are exactly the calls it marks
+    (linen name stacks would add regions named after classes, "Model/block"), and its
+    programs are keyed by the model's structure too (an NNX model's mode)."""
+
+    def __init__(self) -> None:
+        super().__init__(name_scopes=False)
+
+    def structure_key(self, target: Any) -> Any:
+        # The edited model itself (one per traced edit) with what can change under it.
+        return (target, target.plan.structure())
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """What an adapter's `edited_view` is given: the edited model's `js.Sliced` (over
+    ``{"model": ..., "nodes": ...}`` for models that hold their variables) and the new
+    modules by node name."""
+
+    sliced: Any
+    program: SliceProgram
+    nodes: dict[str, Any]
+
+
+class Edited(Sliced):
+    """An edited linen model or plain function: a `js.Sliced` of the edited model whose
+    keyword arguments also take the call-time inputs (``edited(x, delta=v)``)."""
+
+    def __init__(self, program: SliceProgram, call_inputs: dict[str, tuple[Any, Any]]):
+        super().__init__(program)
+        self._call_inputs = call_inputs
+
+    def export(
+        self,
+        *,
+        batch: str | None = "b",
+        variables_as_input: bool = False,
+        platforms: Any = None,
+        variables: Any = None,
+        pick: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """The edited model as a `jax.export.Exported` (see `js.Sliced.export`).
+
+        Call-time inputs are keyword arguments of the exported function, at their
+        examples' shapes; with `batch`, their first axis after the loops' leading axes
+        is the symbolic batch size where the example had the model's batch size there.
+        `variables` replaces `self.variables`; `pick` selects from the result.
+        """
+        program = self._slice_program()
+        program.check_exportable()
+        dim = jax.export.symbolic_shape(batch)[0] if batch is not None else None
+        args, kwargs = program.input_specs(dim)
+        sample_args, _ = program.input_specs(None)
+        leaves = jax.tree_util.tree_leaves(sample_args)
+        size = leaves[0].shape[0] if leaves and leaves[0].shape else None
+        for name, (node, sample) in self._call_inputs.items():
+            shape, lead = list(sample.shape), len(node.stacked)
+            if dim is not None and len(shape) > lead and shape[lead] == size:
+                shape[lead] = dim
+            kwargs[name] = jax.ShapeDtypeStruct(tuple(shape), sample.dtype)
+        built_in = self.variables if variables is None else variables
+        pick = pick or (lambda out: out)
+
+        def run(v: Any, /, *inputs: Any, **kw: Any) -> Any:  # call-time inputs may be `v`
+            return pick(self.apply(v, *inputs, **kw))
+
+        if variables_as_input:
+            fn, args = run, [abstract_tree(built_in), *args]
+        else:
+            fn = lambda *inputs, **kw: run(built_in, *inputs, **kw)  # noqa: E731
+        return jax.export.export(jax.jit(fn), platforms=platforms)(*args, **kwargs)
+
+
+def joined(path: tuple[Any, ...]) -> str:
+    return "/".join(map(str, path))
+
+
+class EditedModel:
+    """The edited model as a plain function ``fn(variables, *inputs, **call_inputs)``."""
+
+    def __init__(self, plan: EditPlan, observe: Callable[[str, str, Any], None] | None):
+        self.plan = plan
+        self.observe = observe
+        self.__name__ = "edited"
+
+    def __call__(self, variables: Any, *inputs: Any, **kwargs: Any) -> Any:
+        plan = self.plan
+        program = plan.program
+        expected = plan.tables.call_inputs()
+        given = {k: kwargs.pop(k) for k in list(kwargs) if k in expected}
+        accepted = program.adapter.accepted_keywords(program.target)
+        extra = [k for k in kwargs if accepted is not None and k not in accepted]
+        if extra and expected:
+            raise InputMismatchError(
+                CALL_INPUTS.format(
+                    names=list(expected),
+                    example=", ".join(f"{n}=..." for n in expected),
+                    problem=f"Neither call-time inputs nor keywords of the model: {extra}.",
+                )
+            )
+        check_call_inputs(expected, given)
+        entry, leaves = program.lookup(inputs, kwargs, None, plan.live)
+        graph = entry.traced.graph
+        merged = plan.model_values(variables)
+        values = [merged[p] for p in graph.variable_paths]
+        hooks = EditHooks(plan, variables, given, self.observe)
+        if not plan.live:
+            return evaluate_graph(graph, hooks, values, [], leaves)
+        # A model that holds its variables returns what it updated, to be written back.
+        out, state = evaluate_graph(graph, hooks, values, [], leaves, with_state=True)
+        updated = {
+            joined(p): x
+            for p, x in zip(graph.state_paths, state, strict=True)
+            if x is not merged.get(p)
+        }
+        return out, updated
+
+
+def check_call_inputs(expected: dict[str, tuple[Node, Any]], given: dict[str, Any]) -> None:
+    """Every call-time input given, each with its dtype and its loops' leading axes."""
+    example = ", ".join(f"{n}=..." for n in expected)
+    missing = [n for n in expected if n not in given]
+    if missing:
+        raise InputMismatchError(
+            CALL_INPUTS.format(
+                names=list(expected), example=example, problem=f"Missing: {missing}."
+            )
+        )
+    for name, value in given.items():
+        node, sample = expected[name]
+        shape, dtype = jax.numpy.shape(value), jax.numpy.result_type(value)
+        lead = len(node.stacked)
+        if dtype != sample.dtype or tuple(shape[:lead]) != node.stacked or len(shape) < lead:
+            need = (
+                f"{sample.dtype} with leading axes {list(node.stacked)}" if lead else sample.dtype
+            )
+            raise InputMismatchError(
+                CALL_INPUTS.format(
+                    names=list(expected),
+                    example=example,
+                    problem=f"{name!r} must be {need} (like {sample.dtype}"
+                    f"{list(sample.shape)}); got {dtype}{list(shape)}.",
+                )
+            )
+
+
+class EditHooks(Hooks):
+    """Applies an editor's edits at the boundaries of the original model's program."""
+
+    def __init__(self, plan: EditPlan, variables: Any, call_values: dict[str, Any], observe: Any):
+        self.plan = plan
+        self.tables = plan.tables
+        self.variables = variables
+        self.call_values = call_values
+        self.observe = observe or (lambda name, side, value: None)
+        self.inputs: dict[str, Any] = {}
+        self.records: dict[int, Any] = {}
+
+    def split_rows(self, calls: Any) -> set[int]:
+        return {k for template, depth, k in self.tables.splits if (template, depth) in calls}
+
+    def on_boundary(self, event: BoundaryEvent) -> Any:
+        name, value = event.name, event.value
+        if event.side == INPUT:
+            value = self._after(event, INPUT, value)
+            self.inputs[name] = value
+            self._remark(event, value)
+            self.observe(name, INPUT, value)
+            return value
+        value = self._output(event, value)
+        self._remark(event, value)
+        self.observe(name, OUTPUT, value)
+        return self._after(event, OUTPUT, value)
+
+    def _output(self, event: BoundaryEvent, value: Any) -> Any:
+        names = dict.fromkeys((event.name, event.stacked_name))
+        if any(n in self.tables.removed for n in names):
+            return self.inputs[event.name]
+        node = next((self.tables.replaced[n] for n in names if n in self.tables.replaced), None)
+        if node is None:
+            return value
+        args = self.inputs[event.name]
+        return self._run(node, event, args if isinstance(args, tuple) else (args,))
+
+    def _run(self, node: Node, event: BoundaryEvent, args: tuple[Any, ...]) -> Any:
+        """The node's function on `args` and its call-time inputs, with the rows of its
+        stacked variables and inputs that this iteration reads."""
+        rows = [event.rows[d] for d in node.depths]
+        variables = self.plan.node_values(self.variables, node)
+        if variables is not None:
+            variables = _rows(variables, rows)
+        extra = [_rows(self.call_values[n], rows) for n in node.inputs]
+        if not extra:
+            return node.fn(variables, *args)
+        try:
+            out = node.fn(variables, *args, *extra)
+        except Exception as error:
+            raise _bad_call_inputs(node, extra, error) from error
+        if len(args) == 1 and not same_shapes(_shapes_of(args[0]), _shapes_of(out)):
+            raise _bad_call_inputs(
+                node, extra, f"it returned {describe_shapes(out)} for {describe_shapes(args[0])}"
+            )
+        return out
+
+    def _call_node(self, node: Node, event: BoundaryEvent, value: Any) -> Any:
+        record = new_record(
+            origin=Origin.NODE,
+            path=tuple(node.name.split("/")),
+            method="__call__",
+            module_type=node.module_type,
+        )
+        # A node is a boundary of the edited model unless it runs in a piece of a split
+        # scan; in an iteration written out it is an ordinary call.
+        remark = is_marking() and (_remarked(event) or all(k != STACKED for k in event.path))
+        self.observe(node.name, INPUT, value)
+        if remark:
+            mark_side(record, INPUT, ((value,), {}))
+        out = self._run(node, event, (value,))
+        if remark:
+            mark_side(record, OUTPUT, out)
+        self.observe(node.name, OUTPUT, out)
+        return self._after(event, OUTPUT, out, node.name)
+
+    def _after(self, event: BoundaryEvent, port: str, value: Any, name: str | None = None) -> Any:
+        names = (name,) if name is not None else dict.fromkeys((event.stacked_name, event.name))
+        for n in names:
+            for node in list(self.tables.after.get((n, port), ())):
+                value = self._call_node(node, event, value)
+        return value
+
+    def _remark(self, event: BoundaryEvent, value: Any) -> None:
+        """Marks the original call again in the edited model's trace, under its name."""
+        if not (is_marking() and _remarked(event)):
+            return
+        call = event.call
+        if event.side == INPUT:
+            self.records[id(call)] = new_record(
+                origin=Origin.NODE,
+                path=call.path,
+                method="__call__",
+                module_type=call.module_type,
+            )
+            args = value if isinstance(value, tuple) else (value,)
+            mark_side(self.records[id(call)], INPUT, (args, {}))
+        else:
+            mark_side(self.records[id(call)], OUTPUT, value)
+
+
+def _remarked(event: BoundaryEvent) -> bool:
+    """Whether a call is a boundary of the edited model: not inside a scan that runs in
+    pieces (whose calls are not one call per iteration any more)."""
+    return not event.split
+
+
+def _rows(tree: Any, rows: Sequence[Any]) -> Any:
+    """Row ``rows[0]``, then ``rows[1]``, ... of every leaf (a static or traced index)."""
+    for r in rows:
+        tree = jax.tree_util.tree_map(
+            lambda x, r=r: jax.lax.dynamic_index_in_dim(x, r, keepdims=False), tree
+        )
+    return tree
+
+
+def _shapes_of(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype), tree)
+
+
+def _bad_call_inputs(node: Node, values: list[Any], error: Any) -> InputMismatchError:
+    given = ", ".join(
+        f"{n}: {describe_shapes(v)}" for n, v in zip(node.inputs, values, strict=True)
+    )
+    return InputMismatchError(
+        f"The node {node.name!r} cannot take its call-time input(s) ({given}, one "
+        f"iteration's rows where stacked): {error}. Give them the shapes and dtypes of their "
+        f"examples: "
+        + ", ".join(
+            f"{n}: {describe_shapes(s)}" for n, s in zip(node.inputs, node.samples, strict=True)
+        )
+        + "."
+    )
+
+
+_compat.register_frames_exclusion(__file__)

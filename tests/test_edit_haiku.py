@@ -1,0 +1,108 @@
+"""Editing Haiku functions: functions that build Haiku modules as new nodes.
+
+Oracles are Haiku itself: the network written again by hand with the node in place (its
+modules under the node's name, so the same parameters apply), `hk.intercept_methods`
+changing a module's output the way an edit does, and `jax.grad` of those.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxslice as js
+
+hk = pytest.importorskip("haiku")
+
+X = jnp.asarray(np.random.default_rng(0).normal(size=(5, 4)), jnp.float32)
+
+
+def net(x):
+    h = jax.nn.relu(hk.Linear(6, name="stem")(x))
+    h = hk.Linear(6, name="mid")(h)
+    return hk.Linear(3, name="head")(jax.nn.relu(h))
+
+
+def adapter(h):
+    return h + hk.Linear(6, name="up")(hk.Linear(2, name="down")(h))
+
+
+def twin(x):
+    """`net` with the adapter after `mid`, written by hand."""
+    h = jax.nn.relu(hk.Linear(6, name="stem")(x))
+    h = hk.Linear(6, name="mid")(h)
+    with hk.name_scope("adapter"):
+        h = adapter(h)
+    return hk.Linear(3, name="head")(jax.nn.relu(h))
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def f_and_params():
+    f = hk.transform(net)
+    return f, f.init(jax.random.key(0), X)
+
+
+def test_a_haiku_node_gets_its_parameters_under_its_name(f_and_params):
+    f, params = f_and_params
+    g = js.edit(f, params, X).insert_after("mid", adapter, key=jax.random.key(1), name="adapter")
+    variables = g.variables
+    assert sorted(variables["params"]) == sorted(hk.transform(twin).init(jax.random.key(0), X))
+    edited = g.build()
+    want = hk.transform(twin).apply(variables["params"], None, X)
+    close(edited(X), want)
+
+    def loss(p):
+        return jnp.sum(hk.transform(twin).apply(p, None, X) ** 2)
+
+    got = jax.grad(lambda v: jnp.sum(edited.apply(v, X) ** 2))(edited.variables)
+    want_grads = jax.grad(loss)(variables["params"])
+    for module in ("adapter/down", "adapter/up", "stem"):
+        close(got["params"][module]["w"], want_grads[module]["w"])
+    g.remove("adapter")
+    close(g.build()(X), f.apply(params, None, X))
+    assert params.keys() == {"stem", "mid", "head"}  # the model's own are untouched
+
+
+def test_a_function_edit_equals_haiku_intercept_methods(f_and_params):
+    f, params = f_and_params
+    edited = js.edit(f, params, X).replace("mid", lambda h: jnp.tanh(h)).build()
+
+    def tanh_mid(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if context.module.module_name == "mid" and context.method_name == "__call__":
+            return jnp.tanh(args[0])
+        return out
+
+    def intercepted(x):
+        with hk.intercept_methods(tanh_mid):
+            return net(x)
+
+    close(edited(X), hk.transform(intercepted).apply(params, None, X))
+
+
+def test_steering_a_haiku_function_with_call_time_inputs(f_and_params):
+    f, params = f_and_params
+    edited = js.edit(f, params, X).insert_after("mid", lambda h, v: h + v, inputs=("v",)).build()
+    vs = jax.random.normal(jax.random.key(2), (3, 5, 6))
+
+    def steered(v):
+        def add(next_fun, args, kwargs, context):
+            out = next_fun(*args, **kwargs)
+            mid = context.module.module_name == "mid" and context.method_name == "__call__"
+            return out + v if mid else out
+
+        def fn(x):
+            with hk.intercept_methods(add):
+                return net(x)
+
+        return hk.transform(fn).apply(params, None, X)
+
+    got = jax.vmap(lambda v: edited(X, v=v))(vs)
+    for i in range(3):
+        close(got[i], steered(vs[i]))
