@@ -24,7 +24,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from _common import Config, Log, meets, row
 from _timing import Op, check_close, compare, paired
 from scanned import HEADS, Scanned

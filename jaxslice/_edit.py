@@ -34,9 +34,8 @@ variables) is what iteration k sees.
 Sharp edges: `insert_after` acts on a module's output, or on its input with the
 ``:input`` port; `replace` and `remove` act on whole calls. The mode (keywords such as
 ``train=False``) is fixed when the editor is made; NNX models are not supported (assign
-new submodules to the model instead). Calls inside a loop that an edit splits (an edit at
-one iteration) are no boundaries of the edited model; the model's other calls and the
-inserted nodes are.
+new submodules to the model instead). A node inserted at one iteration runs inside the
+loop under `lax.cond`, so it is no boundary of the edited model (nodes at ``[:]`` are).
 """
 
 from __future__ import annotations
@@ -193,7 +192,7 @@ class Editor(DrawsInline):
         name = self._fresh_name(fn_or_module) if name is None else name
         self._check_new_name(name)
         value = self._value_at(site, site.port)
-        node = self._new_node(fn_or_module, key, name, (value,), site, inputs)
+        node = self._new_node(fn_or_module, key, name, (value,), site, inputs, value)
         edit = Edit("insert", site, node)
         return self._commit(edit, f"Inserting {name!r} after {site.name!r}:{site.port}")
 
@@ -215,12 +214,13 @@ class Editor(DrawsInline):
         sample = (sample,) if inserted or not isinstance(sample, tuple) else sample
         if inserted:
             name = site.name
-        elif site.lengths or site.splits:  # its variables are rows of the loop's: kept
+        elif site.in_loop:  # its variables are rows of the loop's: kept
             name = self._fresh_name(fn_or_module)
         else:
             name = self._base.resolver.resolve(site.name, OUTPUT)[0].name
         self._check_replaceable(site, fn_or_module)
-        node = self._new_node(fn_or_module, key, name, sample, site, inputs)
+        out = self._value_at(site, OUTPUT)  # what call-time inputs are shaped like
+        node = self._new_node(fn_or_module, key, name, sample, site, inputs, out)
         return self._commit(Edit("replace", site, node), f"Replacing {site.name!r}")
 
     def remove(self, at: str, /) -> Editor:
@@ -336,7 +336,7 @@ class Editor(DrawsInline):
             base, _, port = parse(spec)
             if base in self._tables.inserted:
                 node = self._tables.inserted[base]
-                return Site(base, port or OUTPUT, base, node.stacked, node.depths)
+                return Site(base, port or OUTPUT, base, node.stacked, node.depths, node.when)
         ref = self._base.resolver.loop_ref(spec, OUTPUT)
         if ref is None:
             call, port = self._base.resolver.resolve(spec, OUTPUT)
@@ -346,11 +346,9 @@ class Editor(DrawsInline):
         stacked = fill(call.template, [STACKED] * len(ref.path)) + suffix
         depths = tuple(d for d, k in enumerate(ref.path) if k == STACKED)
         lengths = tuple(sites[d].length for d in depths)
-        splits = tuple(
-            (call.template, depth, k) for depth, k in enumerate(ref.path) if k != STACKED
-        )
+        when = tuple((depth, k) for depth, k in enumerate(ref.path) if k != STACKED)
         name = fill(call.template, ref.path) + suffix
-        return Site(name, ref.side, stacked, lengths, depths, splits)
+        return Site(name, ref.side, stacked, lengths, depths, when)
 
     def _whole_call(self, op: str, spec: str) -> Site:
         site = self._site(spec)
@@ -364,17 +362,17 @@ class Editor(DrawsInline):
     def _value_at(self, site: Site, port: str) -> Any:
         """Shapes and dtypes of the value at a site (one iteration's, inside scans)."""
         known = self._shapes()
-        found = known.get((site.name, port), known.get((site.stacked, port)))
+        found = known.get((site.name, port), known.get((site.key, port)))
         if found is None:
             raise SliceError(
                 f"{site.name!r} ({port}) is not evaluated in the edited model (a call inside a "
-                "loop an earlier edit splits, or one whose loop body drops it). Edit at an "
+                "one iteration of a loop, or one whose loop body drops it). Edit at an "
                 "enclosing call, or at every iteration with [:]."
             )
         return found
 
     def _check_replaceable(self, site: Site, fn_or_module: Any) -> None:
-        if site.name in self._tables.inserted or site.lengths or site.splits:
+        if site.name in self._tables.inserted or site.in_loop:
             return
         call, _ = self._base.resolver.resolve(site.name, OUTPUT)
         if call.count > 1 and is_linen(fn_or_module):
@@ -392,10 +390,12 @@ class Editor(DrawsInline):
         args: tuple[Any, ...],
         site: Site,
         inputs: Any,
+        like: Any,
     ) -> Node:
-        """A node for `site`: its function, variables (stacked per iteration at ``[:]``)
-        and call-time inputs, checked against those the edited model already takes."""
-        names, samples = call_input_specs(inputs, args, site)
+        """A node for `site` that receives `args`: its function, variables (stacked per
+        iteration at ``[:]``) and call-time inputs (shaped `like` unless given), checked
+        against those the edited model already takes."""
+        names, samples = call_input_specs(inputs, like, site)
         taken = self._tables.call_inputs()
         keywords = set(self._base.split.kwargs) | set(self._base.split.mode) | RESERVED
         keywords |= self._base.program.adapter.accepted_keywords(self._target) or set()
@@ -410,7 +410,12 @@ class Editor(DrawsInline):
         rows = tuple(jax.ShapeDtypeStruct(s.shape[lead:], s.dtype) for s in samples)
         node = new_node(adapter, fn_or_module, key, name, site, (*args, *rows))
         return dataclasses.replace(
-            node, inputs=names, samples=samples, stacked=site.lengths, depths=site.depths
+            node,
+            inputs=names,
+            samples=samples,
+            stacked=site.lengths,
+            depths=site.depths,
+            when=site.when,
         )
 
     def _fresh_name(self, fn_or_module: Any) -> str:

@@ -37,6 +37,7 @@ class Node:
     # of the name it was inserted at, outermost first.
     stacked: tuple[int, ...] = ()
     depths: tuple[int, ...] = ()  # which enclosing loops those are (their depths)
+    when: tuple[tuple[int, int], ...] = ()  # only in these iterations: (depth, k), ...
     # What of the node, besides its variables, decides the edited program (an NNX
     # module's graph definition: its mode); None where nothing can change.
     structure_of: Callable[[], Any] | None = None
@@ -57,17 +58,22 @@ class Site:
     """Where an edit acts: a call (or inserted node) by its qualified name, and a port.
 
     For a call inside scans, `name` holds its iterations (``layers[3]/mlp`` or
-    ``layers[:]/mlp``), `stacked` the same name with ``[:]`` in every slot, `lengths` the
-    lengths of the loops it names with ``[:]``, and `splits` ``(template, depth, k)`` for
-    each loop it names one iteration of (that iteration then runs on its own).
+    ``layers[:]/mlp``) and `key` the same name with ``[:]`` in every slot (how its
+    edits are found while the loop body runs once for all iterations); `lengths` and
+    `depths` are the lengths and depths of the loops it names with ``[:]``, `when`
+    ``(depth, k)`` for each loop it names one iteration k of.
     """
 
     name: str
     port: str
-    stacked: str
+    key: str
     lengths: tuple[int, ...] = ()
-    depths: tuple[int, ...] = ()  # the depths of the loops in `lengths`
-    splits: tuple[tuple[str, int, int], ...] = ()
+    depths: tuple[int, ...] = ()
+    when: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def in_loop(self) -> bool:
+        return bool(self.lengths or self.when)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,24 +85,23 @@ class Edit:
 
 @dataclasses.dataclass
 class Tables:
-    """The edits replayed: what happens at each boundary of the edited model."""
+    """The edits replayed: what happens at each boundary of the edited model, by the
+    boundary's key (`Site.key`). Edits at one iteration of a loop carry their `when`."""
 
     after: dict[tuple[str, str], list[Node]] = dataclasses.field(default_factory=dict)
-    replaced: dict[str, Node] = dataclasses.field(default_factory=dict)
-    removed: set[str] = dataclasses.field(default_factory=set)
+    replaced: dict[str, list[Node]] = dataclasses.field(default_factory=dict)
+    removed: dict[str, list[tuple[tuple[int, int], ...]]] = dataclasses.field(default_factory=dict)
     inserted: dict[str, Node] = dataclasses.field(default_factory=dict)
-    splits: set[tuple[str, int, int]] = dataclasses.field(default_factory=set)
 
     @classmethod
     def of(cls, edits: tuple[Edit, ...]) -> Tables:
         t = cls()
         for e in edits:
             getattr(t, f"_{e.op}")(e)
-        t.splits = {split for e in edits for split in e.at.splits}
         return t
 
     def _insert(self, e: Edit) -> None:
-        self.after.setdefault((e.at.name, e.at.port), []).append(e.node)
+        self.after.setdefault((e.at.key, e.at.port), []).append(e.node)
         self.inserted[e.node.name] = e.node
 
     def _replace(self, e: Edit) -> None:
@@ -107,14 +112,14 @@ class Tables:
             for nodes in self.after.values():
                 nodes[:] = [e.node if n is old else n for n in nodes]
             return
-        self.removed.discard(at)
-        self.replaced[at] = e.node
+        self._clear(e.at)
+        self.replaced.setdefault(e.at.key, []).append(e.node)
 
     def _remove(self, e: Edit) -> None:
         at = e.at.name
         if at not in self.inserted:
-            self.replaced.pop(at, None)
-            self.removed.add(at)
+            self._clear(e.at)
+            self.removed.setdefault(e.at.key, []).append(e.at.when)
             return
         node = self.inserted.pop(at)
         following = self.after.pop((at, OUTPUT), [])
@@ -123,8 +128,16 @@ class Tables:
                 i = nodes.index(node)
                 nodes[i : i + 1] = following
 
+    def _clear(self, site: Site) -> None:
+        """Takes out earlier replacements and removals of the same call (and iteration)."""
+        nodes = self.replaced.get(site.key, [])
+        nodes[:] = [n for n in nodes if n.when != site.when]
+        whens = self.removed.get(site.key, [])
+        whens[:] = [w for w in whens if w != site.when]
+
     def nodes(self) -> list[Node]:
-        return list(self.inserted.values()) + list(self.replaced.values())
+        replacing = [n for nodes in self.replaced.values() for n in nodes]
+        return list(self.inserted.values()) + replacing
 
     def call_inputs(self) -> dict[str, tuple[Node, Any]]:
         """``{name: (node, sample)}`` of every call-time input of the edited model."""
@@ -202,10 +215,9 @@ def check_rows(name: str, variables: Any, site: Site) -> None:
         )
 
 
-def call_input_specs(
-    inputs: Any, args: tuple[Any, ...], site: Site
-) -> tuple[tuple[str, ...], tuple[Any, ...]]:
-    """Names and shapes of a node's call-time inputs (with the loops' leading axes)."""
+def call_input_specs(inputs: Any, like: Any, site: Site) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """Names and shapes of a node's call-time inputs (with the loops' leading axes); one
+    given by name only is shaped like the value `like` (one iteration's)."""
     if isinstance(inputs, str):
         inputs = (inputs,)
     given = dict(inputs) if isinstance(inputs, Mapping) else dict.fromkeys(inputs)
@@ -218,13 +230,13 @@ def call_input_specs(
     samples = []
     for name, sample in given.items():
         if sample is None:
-            if len(args) != 1 or not hasattr(args[0], "shape"):
+            if not hasattr(like, "shape"):
                 raise InvalidSpecError(
                     f"The call-time input {name!r} cannot take the shape of the value at "
                     f"{site.name!r}, which is not one array; give it as "
                     f"inputs={{{name!r}: jax.ShapeDtypeStruct(shape, dtype)}}."
                 )
-            sample = jax.ShapeDtypeStruct((*site.lengths, *args[0].shape), args[0].dtype)
+            sample = jax.ShapeDtypeStruct((*site.lengths, *like.shape), like.dtype)
         sample = jax.ShapeDtypeStruct(jax.numpy.shape(sample), jax.numpy.result_type(sample))
         if tuple(sample.shape[: len(site.lengths)]) != site.lengths:
             raise InvalidSpecError(

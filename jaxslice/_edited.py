@@ -21,16 +21,17 @@ Variables, by where a kind keeps a new module's variables:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from . import _compat
 from ._core.evaluate import BoundaryEvent, Hooks
 from ._core.evaluate import evaluate as evaluate_graph
 from ._core.markers import INPUT, OUTPUT, Origin, is_marking, mark_side, new_record
-from ._core.names import STACKED
 from ._core.program import SliceProgram
 from ._edit_nodes import Node, Tables, describe_shapes, same_shapes
 from ._errors import InputMismatchError, InvalidSpecError
@@ -284,9 +285,6 @@ class EditHooks(Hooks):
         self.inputs: dict[str, Any] = {}
         self.records: dict[int, Any] = {}
 
-    def split_rows(self, calls: Any) -> set[int]:
-        return {k for template, depth, k in self.tables.splits if (template, depth) in calls}
-
     def on_boundary(self, event: BoundaryEvent) -> Any:
         name, value = event.name, event.value
         if event.side == INPUT:
@@ -301,16 +299,18 @@ class EditHooks(Hooks):
         return self._after(event, OUTPUT, value)
 
     def _output(self, event: BoundaryEvent, value: Any) -> Any:
-        names = dict.fromkeys((event.name, event.stacked_name))
-        if any(n in self.tables.removed for n in names):
-            return self.inputs[event.name]
-        node = next((self.tables.replaced[n] for n in names if n in self.tables.replaced), None)
-        if node is None:
-            return value
-        args = self.inputs[event.name]
-        return self._run(node, event, args if isinstance(args, tuple) else (args,))
+        """A call's output with the removals and replacements at it applied (those at one
+        iteration only in that iteration)."""
+        key, args = event.name, self.inputs[event.name]
+        for when in self.tables.removed.get(key, ()):
+            value = _only(event, when, lambda: args, value)
+        call_args = args if isinstance(args, tuple) else (args,)
+        for node in self.tables.replaced.get(key, ()):
+            run = functools.partial(self._run, node, event, call_args, value)
+            value = _only(event, node.when, run, value)
+        return value
 
-    def _run(self, node: Node, event: BoundaryEvent, args: tuple[Any, ...]) -> Any:
+    def _run(self, node: Node, event: BoundaryEvent, args: tuple[Any, ...], like: Any) -> Any:
         """The node's function on `args` and its call-time inputs, with the rows of its
         stacked variables and inputs that this iteration reads."""
         rows = [event.rows[d] for d in node.depths]
@@ -324,41 +324,45 @@ class EditHooks(Hooks):
             out = node.fn(variables, *args, *extra)
         except Exception as error:
             raise _bad_call_inputs(node, extra, error) from error
-        if len(args) == 1 and not same_shapes(_shapes_of(args[0]), _shapes_of(out)):
+        if not same_shapes(_shapes_of(like), _shapes_of(out)):  # broadcast by a wrong input
             raise _bad_call_inputs(
-                node, extra, f"it returned {describe_shapes(out)} for {describe_shapes(args[0])}"
+                node, extra, f"it returned {describe_shapes(out)} for {describe_shapes(like)}"
             )
         return out
 
     def _call_node(self, node: Node, event: BoundaryEvent, value: Any) -> Any:
-        record = new_record(
-            origin=Origin.NODE,
-            path=tuple(node.name.split("/")),
-            method="__call__",
-            module_type=node.module_type,
-        )
-        # A node is a boundary of the edited model unless it runs in a piece of a split
-        # scan; in an iteration written out it is an ordinary call.
-        remark = is_marking() and (_remarked(event) or all(k != STACKED for k in event.path))
-        self.observe(node.name, INPUT, value)
-        if remark:
-            mark_side(record, INPUT, ((value,), {}))
-        out = self._run(node, event, (value,))
-        if remark:
-            mark_side(record, OUTPUT, out)
-        self.observe(node.name, OUTPUT, out)
-        return self._after(event, OUTPUT, out, node.name)
+        """An inserted node (and the nodes inserted after it) on `value`."""
 
-    def _after(self, event: BoundaryEvent, port: str, value: Any, name: str | None = None) -> Any:
-        names = (name,) if name is not None else dict.fromkeys((event.stacked_name, event.name))
-        for n in names:
-            for node in list(self.tables.after.get((n, port), ())):
-                value = self._call_node(node, event, value)
+        def run() -> Any:
+            # A node that runs in one iteration only (under `lax.cond`) is no boundary.
+            remark = is_marking() and not node.when
+            record = new_record(
+                origin=Origin.NODE,
+                path=tuple(node.name.split("/")),
+                method="__call__",
+                module_type=node.module_type,
+            )
+            self.observe(node.name, INPUT, value)
+            if remark:
+                mark_side(record, INPUT, ((value,), {}))
+            out = self._run(node, event, (value,), value)
+            if remark:
+                mark_side(record, OUTPUT, out)
+            self.observe(node.name, OUTPUT, out)
+            for after in list(self.tables.after.get((node.name, OUTPUT), ())):
+                out = self._call_node(after, event, out)
+            return out
+
+        return _only(event, node.when, run, value)
+
+    def _after(self, event: BoundaryEvent, port: str, value: Any) -> Any:
+        for node in list(self.tables.after.get((event.name, port), ())):
+            value = self._call_node(node, event, value)
         return value
 
     def _remark(self, event: BoundaryEvent, value: Any) -> None:
         """Marks the original call again in the edited model's trace, under its name."""
-        if not (is_marking() and _remarked(event)):
+        if not is_marking():
             return
         call = event.call
         if event.side == INPUT:
@@ -374,10 +378,14 @@ class EditHooks(Hooks):
             mark_side(self.records[id(call)], OUTPUT, value)
 
 
-def _remarked(event: BoundaryEvent) -> bool:
-    """Whether a call is a boundary of the edited model: not inside a scan that runs in
-    pieces (whose calls are not one call per iteration any more)."""
-    return not event.split
+def _only(event: BoundaryEvent, when: Any, compute: Callable[[], Any], otherwise: Any) -> Any:
+    """``compute()``, or, for an edit at one iteration (`when`), ``compute()`` in that
+    iteration and `otherwise` in the others: a `lax.cond` inside the loop, so the loop
+    stays one scan (and compiles as fast as the unedited one)."""
+    if not when:
+        return compute()
+    hit = functools.reduce(jnp.logical_and, [event.rows[d] == k for d, k in when])
+    return jax.lax.cond(hit, compute, lambda: otherwise)
 
 
 def _rows(tree: Any, rows: Sequence[Any]) -> Any:

@@ -124,8 +124,10 @@ def test_an_edit_at_one_iteration_changes_only_that_one(scanned, k):
     g = js.edit(model, variables, X).replace(f"layers[{k}]/mlp", lambda h: jnp.zeros_like(h))
     edited = g.build()
     close(edited(X), twin(variables, mlp_edit=lambda j, m: m * 0 if j == i else m))
-    # The other iterations stay scans, around the one written out.
-    assert scan_lengths(edited, X) == sorted(n for n in (i, N - i - 1) if n)
+    # The loop stays one scan: the edit runs under a `cond` on the iteration index.
+    assert scan_lengths(edited, X) == [N]
+    jaxpr = jax.make_jaxpr(edited)(X)
+    assert "cond" in {e.primitive.name for e in iter_eqns(jaxpr)}
 
 
 def test_edits_at_every_iteration_and_at_one_combine(scanned):
@@ -135,7 +137,8 @@ def test_edits_at_every_iteration_and_at_one_combine(scanned):
     g.insert_after("layers[3]/mlp", lambda m: m + 1, name="plus")
     want = twin(variables, mlp_edit=lambda j, m: 2 * m + 1 if j == 3 else 2 * m)
     close(g.build()(X), want)
-    assert "plus" in [b.name for b in g.boundaries()]
+    names = [b.name for b in g.boundaries()]
+    assert "double[:]" in names and "plus" not in names  # one iteration's node: no boundary
 
 
 def test_a_module_inserted_at_every_iteration_gets_stacked_rows(scanned):
@@ -352,3 +355,16 @@ def test_call_time_inputs_cannot_take_the_models_own_keywords(scanned):
     for taken in ("rngs", "mutable", "x"):  # `x` is the model's own argument
         with pytest.raises(js.SliceError, match="already taken"):
             g.insert_after("embed", lambda h, v: h + v, inputs=(taken,))
+
+
+def test_a_patch_takes_the_shape_of_the_output_it_replaces():
+    def model(p, x):
+        up = js.mark("up", lambda h: h @ p["up"])
+        down = js.mark("down", lambda h: h @ p["down"])
+        return x + down(jnp.tanh(up(x)))
+
+    p = {"up": jnp.ones((4, 8)) / 8, "down": jnp.ones((8, 4)) / 8}
+    x = jnp.ones((3, 4))
+    patched = js.edit(model, p, x).replace("down", lambda h, new: new, inputs=("new",)).build()
+    new = jnp.arange(12.0).reshape(3, 4)
+    close(patched(x, new=new), x + new)

@@ -16,9 +16,9 @@ jaxpr is walked with these rules, looked up per equation:
 * a `scan` whose body holds boundaries **stays a scan**: a new `lax.scan` whose body is
   evaluated by these same rules, so hooks run once, at trace time, on one iteration's
   values, and see its calls by their per-iteration names with ``[:]``
-  (``layers[:]/mlp``). Iterations the hooks ask to see on their own (`Hooks.split_rows`)
-  run outside the scan, between scans over the row ranges around them, and are named
-  by their index (``layers[3]/mlp``), as slices split loops;
+  (``layers[:]/mlp``); the iteration index is carried along (`BoundaryEvent.rows`), so
+  a hook can act on one iteration (``lax.cond(row == 3, ...)``) or read row k of a
+  stacked array in iteration k;
 * every other equation is bound as it is.
 
 Values hooks compute inside a loop body and want outside it (an interpreter's `emit`)
@@ -32,7 +32,7 @@ equations. Boundaries in `while` and `cond` bodies are not shown (those run as t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -58,9 +58,7 @@ class BoundaryEvent:
       value: the call's array arguments (one, or a tuple of them) or its result pytree.
       path: for a call inside scans, per enclosing scan (outermost first), the iteration
         it runs in where that is fixed, or ``":"`` inside a scan.
-      rows: per enclosing scan, the iteration index: an int, or a traced int32 inside a
-        scan (so a hook can read row k of a stacked array in iteration k).
-      split: whether an enclosing scan runs in pieces (`Hooks.split_rows`).
+      rows: per enclosing scan, the iteration index (a traced int32).
     """
 
     call: Call
@@ -68,7 +66,6 @@ class BoundaryEvent:
     value: Any
     path: tuple[Any, ...] = ()
     rows: tuple[Any, ...] = ()
-    split: bool = False
 
     @property
     def name(self) -> str:
@@ -122,12 +119,6 @@ class Hooks:
     def equation(self, eqn: Equation, inputs: list[Any], outputs: list[Any]) -> list[Any]:
         """One equation, after it ran: returns its outputs or replacements."""
         return outputs
-
-    def split_rows(self, calls: Collection[tuple[str, int]]) -> Collection[int]:
-        """Iterations of a scan to run on their own (outside a scan). The scan is known by
-        the calls in its body: ``(template, depth)``, the template name of each (see
-        `Call.template`) and the slot of that name that this scan fills."""
-        return ()
 
     def open_loop(self) -> Any:
         """Called before a loop body is evaluated; returns a token for `close_loop`."""
@@ -273,11 +264,10 @@ class _At:
     path: tuple[Any, ...] = ()
     rows: tuple[Any, ...] = ()
     inner: bool = False  # in a body: an equation's own scopes add to these
-    split: bool = False  # inside a scan that runs in pieces
 
-    def inside(self, iteration: Any, row: Any, split: bool) -> _At:
-        path, rows = (*self.path, iteration), (*self.rows, row)
-        return _At(self.pos, self.scopes, list(self.owners), path, rows, True, self.split or split)
+    def inside(self, row: Any) -> _At:
+        path, rows = (*self.path, STACKED), (*self.rows, row)
+        return _At(self.pos, self.scopes, list(self.owners), path, rows, True)
 
     def info(self, eqn: Any) -> Equation:
         scopes = self.scopes + _compat.eqn_scopes(eqn) if self.inner else self.scopes
@@ -310,11 +300,6 @@ class _Loops:
             if c.loop is not None and c.record is not None and c.template is not None
         }
         self._holds: dict[int, bool] = {}
-        # Each scan with calls in its body -> ``(template, depth)`` of those calls.
-        self.templates: dict[int, set[tuple[str, int]]] = {}
-        for call in self.calls.values():
-            for depth, site in enumerate(call.loop.chain()):
-                self.templates.setdefault(id(site.eqn), set()).add((call.template, depth))
 
     def holds(self, eqn: Any) -> bool:
         """Whether a boundary the graph lists is inside `eqn`'s bodies (at any depth)."""
@@ -389,7 +374,7 @@ class _Loops:
                 found[leaf] = m.invars[0]
         refs = _side_refs(record, side)
         value = jax.tree_util.tree_map(lambda r: read(found[r.leaf]), refs)
-        event = BoundaryEvent(self.calls[id(record)], side, value, at.path, at.rows, at.split)
+        event = BoundaryEvent(self.calls[id(record)], side, value, at.path, at.rows)
         if side == INPUT:
             at.owners.append(event.name)
         new = self.hooks.on_boundary(event)
@@ -414,81 +399,31 @@ class _Loops:
     # ------------------------------------------------------------------ scans
 
     def scan(self, eqn: Any, ins: list[Any], at: _At) -> list[Any]:
-        """A scan whose body holds boundaries, as scans over row ranges (one, unless the
-        hooks split iterations out) whose bodies run through the rules."""
+        """A scan whose body holds boundaries, as a new scan whose body runs through the
+        rules, with the iteration index carried for the hooks."""
         parts = _compat.scan_parts(eqn)
         n, nc, nk = parts.length, parts.num_consts, parts.num_carry
         if n == 0:
             return _compat.bind_eqn(eqn, ins)
-        asked = self.hooks.split_rows(frozenset(self.templates.get(id(eqn), ())))
-        rows = {k % n for k in asked if -n <= k < n}
-        pieces = _pieces(n, rows)
-        carry, done = list(ins[nc : nc + nk]), {}
-        for a, b in reversed(pieces) if parts.reverse else pieces:
-            xs = [jax.lax.slice_in_dim(x, a, b) for x in ins[nc + nk :]]
-            run = self._iteration if a in rows else self._rows
-            carry, ys, out = run(parts, ins[:nc], carry, xs, (a, b), at, bool(rows))
-            done[a] = (ys, out)
-        ordered = [done[a] for a, _ in pieces]
-        ys = [_concat([r[0][i] for r in ordered]) for i in range(len(parts.jaxpr.outvars) - nk)]
-        leaving: dict[Any, list[Any]] = {}
-        for _, out in ordered:
-            for key, value in out.items():
-                leaving.setdefault(key, []).append(value)
-        if leaving:
-            self.hooks.leave_loop({k: _concat(v) for k, v in leaving.items()})
-        return [*carry, *ys]
-
-    def _iteration(
-        self,
-        parts: Any,
-        consts: list,
-        carry: list,
-        xs: list,
-        rows: tuple[int, int],
-        at: _At,
-        split: bool,
-    ) -> tuple[list, list, dict]:
-        """Iteration ``rows[0]`` run on its own, named by its index."""
-        k, nk = rows[0], parts.num_carry
-        x_k = [jax.lax.index_in_dim(x, 0, keepdims=False) for x in xs]
-        token = self.hooks.open_loop()
-        outs = self.body(parts.jaxpr, parts.consts, [*consts, *carry, *x_k], at.inside(k, k, split))
-        out = self.hooks.close_loop(token)
-        return (
-            outs[:nk],
-            [y[None] for y in outs[nk:]],
-            {key: jax.numpy.asarray(v)[None] for key, v in out.items()},
-        )
-
-    def _rows(
-        self,
-        parts: Any,
-        consts: list,
-        carry: list,
-        xs: list,
-        rows: tuple[int, int],
-        at: _At,
-        split: bool,
-    ) -> tuple[list, list, dict]:
-        """Iterations ``a:b`` as one scan; the row index is carried for the hooks."""
-        a, b = rows
-        nk = parts.num_carry
-        first, move = (b - 1, -1) if parts.reverse else (a, 1)
+        consts = ins[:nc]
+        # The index is carried (a scan's own counter is not visible to its body): it
+        # counts down in a reverse scan, which visits the rows last to first.
+        first, move = (n - 1, -1) if parts.reverse else (0, 1)
 
         def step(state: tuple[list[Any], Any], x: list[Any]) -> Any:
             c, i = state
             token = self.hooks.open_loop()
-            args = [*consts, *c, *x]
-            outs = self.body(parts.jaxpr, parts.consts, args, at.inside(STACKED, i, split))
-            out = self.hooks.close_loop(token)
-            return (outs[:nk], i + move), (outs[nk:], out)
+            outs = self.body(parts.jaxpr, parts.consts, [*consts, *c, *x], at.inside(i))
+            leaving = self.hooks.close_loop(token)
+            return (outs[:nk], i + move), (outs[nk:], leaving)
 
-        start = (list(carry), jax.numpy.int32(first))
-        (carry, _), (ys, out) = jax.lax.scan(
-            step, start, xs, length=b - a, reverse=parts.reverse, unroll=_unroll(parts, b - a)
+        start = (list(ins[nc : nc + nk]), jax.numpy.int32(first))
+        (carry, _), (ys, leaving) = jax.lax.scan(
+            step, start, list(ins[nc + nk :]), length=n, reverse=parts.reverse, unroll=parts.unroll
         )
-        return list(carry), list(ys), dict(out)
+        if leaving:
+            self.hooks.leave_loop(dict(leaving))
+        return [*carry, *ys]
 
 
 def _side_refs(record: Any, side: str) -> Any:
@@ -508,24 +443,6 @@ def _side_refs(record: Any, side: str) -> Any:
 
 def _same_side(marker: Any, first: Any) -> bool:
     return marker is not None and marker.record is first.record and marker.side == first.side
-
-
-def _pieces(length: int, rows: Collection[int]) -> list[tuple[int, int]]:
-    """Row ranges ``(a, b)`` covering ``0:length`` in order, each of `rows` on its own."""
-    cuts = sorted({0, length} | set(rows) | {k + 1 for k in rows})
-    return list(zip(cuts[:-1], cuts[1:], strict=True))
-
-
-def _unroll(parts: Any, length: int) -> Any:
-    """The scan's `unroll`, at most the number of iterations a piece runs."""
-    unroll = parts.unroll
-    if isinstance(unroll, int) and not isinstance(unroll, bool):
-        return max(1, min(unroll, length))
-    return unroll
-
-
-def _concat(values: list[Any]) -> Any:
-    return values[0] if len(values) == 1 else jax.numpy.concatenate(values, axis=0)
 
 
 def _write(env: dict[Any, Any], atoms: Sequence[Any], values: Sequence[Any]) -> None:
