@@ -63,10 +63,9 @@ from ._edit_nodes import (
     same_shapes,
 )
 from ._edited import Built, Edited, EditedAdapter, EditedModel, EditPlan, joined
-from ._errors import InvalidSpecError, SliceError, UnsupportedTargetError
+from ._errors import InvalidSpecError, SliceError
 from ._slice import view
 from ._table import BoundaryTable, describe
-from .adapters import adapter_for
 
 # Keywords the edited model's `apply` takes itself: no call-time input may be named so.
 RESERVED = frozenset({"rngs", "mutable", "variables"})
@@ -108,9 +107,6 @@ class Editor(DrawsInline):
     """
 
     def __init__(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]):
-        refusal = adapter_for(target).edit_refusal()
-        if refusal is not None:
-            raise UnsupportedTargetError(refusal)
         program = SliceProgram.build(target, args, kwargs, None, None)
         self._target = target
         self._variables = program.adapter.split(target, args, kwargs).variables
@@ -286,7 +282,7 @@ class Editor(DrawsInline):
         from .render import slice_graph
 
         dag = slice_graph(SliceProgram(self._trace(), None, None), depth, whole=True)
-        edited = set(self._tables.inserted) | set(self._tables.replaced)
+        edited = set(self._tables.inserted) | set(self._tables.changed)
         for name, attrs in dag.nodes(data=True):
             if not name.startswith("<"):
                 attrs["in_slice"] = name in edited

@@ -86,11 +86,14 @@ class Edit:
 @dataclasses.dataclass
 class Tables:
     """The edits replayed: what happens at each boundary of the edited model, by the
-    boundary's key (`Site.key`). Edits at one iteration of a loop carry their `when`."""
+    boundary's key (`Site.key`). `changed` holds, per call and in the order they were
+    made, its replacements (a node) and bypasses (None), each for the iterations `when`
+    names (all if empty): a later one wins where both apply."""
 
     after: dict[tuple[str, str], list[Node]] = dataclasses.field(default_factory=dict)
-    replaced: dict[str, list[Node]] = dataclasses.field(default_factory=dict)
-    removed: dict[str, list[tuple[tuple[int, int], ...]]] = dataclasses.field(default_factory=dict)
+    changed: dict[str, list[tuple[tuple[tuple[int, int], ...], Node | None]]] = dataclasses.field(
+        default_factory=dict
+    )
     inserted: dict[str, Node] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -112,14 +115,12 @@ class Tables:
             for nodes in self.after.values():
                 nodes[:] = [e.node if n is old else n for n in nodes]
             return
-        self._clear(e.at)
-        self.replaced.setdefault(e.at.key, []).append(e.node)
+        self._change(e.at, e.node)
 
     def _remove(self, e: Edit) -> None:
         at = e.at.name
         if at not in self.inserted:
-            self._clear(e.at)
-            self.removed.setdefault(e.at.key, []).append(e.at.when)
+            self._change(e.at, None)
             return
         node = self.inserted.pop(at)
         following = self.after.pop((at, OUTPUT), [])
@@ -128,15 +129,15 @@ class Tables:
                 i = nodes.index(node)
                 nodes[i : i + 1] = following
 
-    def _clear(self, site: Site) -> None:
-        """Takes out earlier replacements and removals of the same call (and iteration)."""
-        nodes = self.replaced.get(site.key, [])
-        nodes[:] = [n for n in nodes if n.when != site.when]
-        whens = self.removed.get(site.key, [])
-        whens[:] = [w for w in whens if w != site.when]
+    def _change(self, site: Site, node: Node | None) -> None:
+        """A replacement (or bypass) of a call; one made before for the same iterations
+        is superseded (and its variables leave the edited model)."""
+        changes = self.changed.setdefault(site.key, [])
+        changes[:] = [c for c in changes if c[0] != site.when]
+        changes.append((site.when, node))
 
     def nodes(self) -> list[Node]:
-        replacing = [n for nodes in self.replaced.values() for n in nodes]
+        replacing = [n for changes in self.changed.values() for _, n in changes if n]
         return list(self.inserted.values()) + replacing
 
     def call_inputs(self) -> dict[str, tuple[Node, Any]]:

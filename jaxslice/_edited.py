@@ -299,15 +299,16 @@ class EditHooks(Hooks):
         return self._after(event, OUTPUT, value)
 
     def _output(self, event: BoundaryEvent, value: Any) -> Any:
-        """A call's output with the removals and replacements at it applied (those at one
-        iteration only in that iteration)."""
-        key, args = event.name, self.inputs[event.name]
-        for when in self.tables.removed.get(key, ()):
-            value = _only(event, when, lambda: args, value)
+        """A call's output with its replacements and bypasses applied in the order they
+        were made (one at one iteration only in that iteration): a later one wins."""
+        args = self.inputs[event.name]
         call_args = args if isinstance(args, tuple) else (args,)
-        for node in self.tables.replaced.get(key, ()):
-            run = functools.partial(self._run, node, event, call_args, value)
-            value = _only(event, node.when, run, value)
+        for when, node in self.tables.changed.get(event.name, ()):
+            if node is None:
+                value = _only(event, when, functools.partial(lambda a: a, args), value)
+            else:
+                run = functools.partial(self._run, node, event, call_args, value)
+                value = _only(event, when, run, value)
         return value
 
     def _run(self, node: Node, event: BoundaryEvent, args: tuple[Any, ...], like: Any) -> Any:

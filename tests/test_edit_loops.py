@@ -368,3 +368,28 @@ def test_a_patch_takes_the_shape_of_the_output_it_replaces():
     patched = js.edit(model, p, x).replace("down", lambda h, new: new, inputs=("new",)).build()
     new = jnp.arange(12.0).reshape(3, 4)
     close(patched(x, new=new), x + new)
+
+
+def test_a_scanned_row_of_parameters_is_no_input_of_the_call():
+    w = jax.random.normal(jax.random.key(8), (N, 4, 4)) * 0.5
+    x = jnp.ones((2, 4))
+
+    def stack(p, x):
+        step = js.mark("step", lambda h, w: (jnp.tanh(h @ w), None))
+        return jax.lax.scan(step, x, p)[0]
+
+    class Inputs(js.Interpreter):
+        def boundary(self, name, side, value):
+            if side == "input":
+                self.emit(name, value)  # the carry only, not the row of `p`
+            return value
+
+    _, seen = Inputs().build(stack, w, x)(w, x)
+    h, rows = x, []
+    for k in range(N):
+        rows.append(h)
+        h = jnp.tanh(h @ w[k])
+    close(seen["step[:]"], jnp.stack(rows))
+    # A replacement receives the same: the carry only.
+    doubled = js.edit(stack, w, x).replace("step[:]", lambda h: (2 * h, None)).build()
+    close(doubled(x), x * 2**N)

@@ -222,7 +222,8 @@ def evaluate(
         owner = owners[pos].qualname if owners[pos] else None
         at = _At(pos, eqn.scopes, [owner] if owner else [])
         ins = [env.read(v, pos) for v in eqn.ins]
-        env.values.update(zip(eqn.outs, loops.run(eqn.jax_eqn, ins, at), strict=True))
+        free = [graph.is_free(v) for v in eqn.ins]  # variables, random keys, constants
+        env.values.update(zip(eqn.outs, loops.run(eqn.jax_eqn, ins, at, free), strict=True))
         pos = region.stop if region else pos + 1
     end = len(graph.eqns)
     _boundaries(graph, hooks, env, end, events.get(end, ()))
@@ -319,21 +320,37 @@ class _Loops:
 
     # ------------------------------------------------------------------ one equation
 
-    def run(self, eqn: Any, ins: list[Any], at: _At) -> list[Any]:
-        """One equation by its rule; the equation hook sees those that are bound."""
+    def run(self, eqn: Any, ins: list[Any], at: _At, free: Sequence[bool]) -> list[Any]:
+        """One equation by its rule; the equation hook sees those that are bound. `free`
+        says which operands are the program's variables (or constants) themselves."""
         if _compat.loop_primitive(eqn) == "scan" and self.holds(eqn):
-            return self.scan(eqn, ins, at)
+            return self.scan(eqn, ins, at, free)
         body = _compat.call_body(eqn)
         if body is not None and (self.hooks.recurse or self.holds(eqn)):
             inner = at if at.inner else dataclasses.replace(at, inner=True)
-            return self.body(body[0], body[1], ins, inner)
+            return self.body(body[0], body[1], ins, inner, free)
         outs = _compat.bind_eqn(eqn, ins)
         return self.hooks.equation(at.info(eqn), ins, outs)
 
-    def body(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], at: _At) -> list[Any]:
-        """A jaxpr evaluated by the rules, its markers shown to the hooks."""
+    def body(
+        self,
+        jaxpr: Any,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        at: _At,
+        free: Sequence[bool],
+    ) -> list[Any]:
+        """A jaxpr evaluated by the rules, its markers shown to the hooks; `free` says
+        which of `args` are the program's variables (a scanned row of stacked
+        parameters, say): they are no module's input (SPEC: ports are arguments that are
+        not parameters)."""
         env: dict[Any, Any] = {}
         overlays: list[tuple[int, dict[Any, Any]]] = []  # replaced inputs, by record
+        params = {v for v, f in zip(jaxpr.invars, free, strict=True) if f}
+        params.update(jaxpr.constvars)
+
+        def is_param(atom: Any) -> bool:
+            return _compat.is_literal(atom) or atom in params
 
         def read(atom: Any) -> Any:
             if _compat.is_literal(atom):
@@ -349,21 +366,27 @@ class _Loops:
         while i < len(eqns):
             marker = _compat.marker_payload(eqns[i])
             if marker is None:
-                _write(
-                    env, eqns[i].outvars, self.run(eqns[i], [read(a) for a in eqns[i].invars], at)
-                )
+                ins = [read(a) for a in eqns[i].invars]
+                outs = self.run(eqns[i], ins, at, [is_param(a) for a in eqns[i].invars])
+                _write(env, eqns[i].outvars, outs)
                 i += 1
                 continue
             j = i + 1  # the markers of one call side are bound one after another
             while j < len(eqns) and _same_side(_compat.marker_payload(eqns[j]), marker):
                 j += 1
             if self._is_ours(marker):
-                self._boundary(eqns[i:j], read, env, overlays, at)
+                self._boundary(eqns[i:j], read, is_param, env, overlays, at)
             i = j
         return [read(a) for a in jaxpr.outvars]
 
     def _boundary(
-        self, markers: Sequence[Any], read: Any, env: dict, overlays: list, at: _At
+        self,
+        markers: Sequence[Any],
+        read: Any,
+        is_param: Any,
+        env: dict,
+        overlays: list,
+        at: _At,
     ) -> None:
         first = _compat.marker_payload(markers[0])
         record, side = first.record, first.side
@@ -372,7 +395,7 @@ class _Loops:
             leaf = _compat.marker_payload(m).leaf
             if leaf != PLACEHOLDER:
                 found[leaf] = m.invars[0]
-        refs = _side_refs(record, side)
+        refs = _side_refs(record, side, lambda r: is_param(found[r.leaf]))
         value = jax.tree_util.tree_map(lambda r: read(found[r.leaf]), refs)
         event = BoundaryEvent(self.calls[id(record)], side, value, at.path, at.rows)
         if side == INPUT:
@@ -398,7 +421,7 @@ class _Loops:
 
     # ------------------------------------------------------------------ scans
 
-    def scan(self, eqn: Any, ins: list[Any], at: _At) -> list[Any]:
+    def scan(self, eqn: Any, ins: list[Any], at: _At, free: Sequence[bool]) -> list[Any]:
         """A scan whose body holds boundaries, as a new scan whose body runs through the
         rules, with the iteration index carried for the hooks."""
         parts = _compat.scan_parts(eqn)
@@ -409,11 +432,14 @@ class _Loops:
         # The index is carried (a scan's own counter is not visible to its body): it
         # counts down in a reverse scan, which visits the rows last to first.
         first, move = (n - 1, -1) if parts.reverse else (0, 1)
+        # A row of a stacked variable is a variable of the iteration; the carry is not.
+        body_free = [*free[:nc], *[False] * nk, *free[nc + nk :]]
 
         def step(state: tuple[list[Any], Any], x: list[Any]) -> Any:
             c, i = state
             token = self.hooks.open_loop()
-            outs = self.body(parts.jaxpr, parts.consts, [*consts, *c, *x], at.inside(i))
+            args = [*consts, *c, *x]
+            outs = self.body(parts.jaxpr, parts.consts, args, at.inside(i), body_free)
             leaving = self.hooks.close_loop(token)
             return (outs[:nk], i + move), (outs[nk:], leaving)
 
@@ -426,19 +452,26 @@ class _Loops:
         return [*carry, *ys]
 
 
-def _side_refs(record: Any, side: str) -> Any:
+def _side_refs(record: Any, side: str, is_param: Any) -> Any:
     """A call side's value tree with a `_Ref` per array leaf: the result, or the
-    positional arguments (one, or a tuple of them; the keywords if there are none)."""
+    positional arguments that are not parameters (one, or a tuple of them; the keywords
+    if there are none)."""
     if side == INPUT:
         is_array = record.in_is_array
         leaves = [_Ref(i) if a else None for i, a in enumerate(is_array)]
         args, kwargs = jax.tree_util.tree_unflatten(record.in_tree, leaves)
+        args = [a for a in args if not _all_params(a, is_param)]
         if not args:
             return kwargs
         return args[0] if len(args) == 1 else tuple(args)
     statics = record.out_statics
     leaves = [_Ref(i) if a else statics[i] for i, a in enumerate(record.out_is_array)]
     return jax.tree_util.tree_unflatten(record.out_tree, leaves)
+
+
+def _all_params(tree: Any, is_param: Any) -> bool:
+    refs = jax.tree_util.tree_leaves(tree)
+    return bool(refs) and all(is_param(r) for r in refs)
 
 
 def _same_side(marker: Any, first: Any) -> bool:

@@ -162,10 +162,6 @@ class Adapter:
         """What `js.slice` returns for this kind, or None for a `js.Sliced`."""
         return None
 
-    def edit_refusal(self) -> str | None:
-        """Why `js.edit` cannot edit this kind of model, or None when it can."""
-        return None
-
     def edit_node(self, obj: Any, name: str, args: tuple[Any, ...]) -> NewModule | None:
         """A module of this kind's library as an edit's new node named `name`, which
         receives values like `args` (one iteration's); None when `obj` is no such module
