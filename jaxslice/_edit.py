@@ -1,29 +1,31 @@
 """Editing a model at its boundaries: insert, replace and remove nodes.
 
-An `Editor` never touches the model or its variables. It builds an *edited model*: a
-plain function ``edited(variables, *inputs)`` that evaluates the original model's traced
-program (re-traced per input shape) through an interpreter whose boundary hook applies
-the edits, and that marks every original module call again under its own name, plus each
-inserted node under its name. The edited model is then sliced like any other, so
-`build` and `slice` return ordinary `js.Sliced` objects, and inserted nodes are
-boundaries like the rest.
+An `Editor` never touches the model or its variables. It builds an *edited model*
+(`_edited.py`): a plain function ``edited(variables, *inputs, **call_inputs)`` that
+evaluates the original model's traced program (re-traced per input shape) with hooks
+that apply the edits, and that marks every original module call again under its own
+name, plus each inserted node under its name. The edited model is then sliced like any
+other, so `build` and `slice` return slices, and inserted nodes are boundaries like the
+rest. For NNX and Equinox models `build` wraps that slice in a module of their library
+(the adapter's `edited_view`).
 
-Variables of the edited model are the model's plus, for each new module, its own
-collections under its node name: ``variables["params"][name]`` for linen models,
-``variables[name]`` for plain functions whose parameters are a dict. A replacing module
-takes the replaced call's name, and the replaced module's own variables leave the edited
-model (its dead equations read their original values, and are dropped from slices).
+Variables of the edited model are the model's plus, for each new module, its own under
+its node name (``variables["params"][name]`` for linen; ``{"model": ..., "nodes": ...}``
+for NNX and Equinox, whose modules hold their variables). A replacing module takes the
+replaced call's name, and the replaced module's own variables leave the edited model (its
+dead equations read their original values, and are dropped from slices).
 
-An `Editor` holds an immutable tuple of edit records. An edit builds the next tuple and
-checks the edited model with it; only if that works does the editor take it (and return
-itself, so edits chain). A failed edit changes nothing, so there is nothing to roll back;
-`copy` gives an independent editor to branch from.
+An `Editor` holds an immutable tuple of edit records (`_edit_nodes.Edit`). An edit builds
+the next tuple and checks the edited model with it; only if that works does the editor
+take it (and return itself, so edits chain). A failed edit changes nothing, so there is
+nothing to roll back; `copy` gives an independent editor to branch from.
 
 Edits inside scanned stacks: an edit at ``layers[:]/mlp`` changes every iteration, and
 the loop stays one scan (the evaluator keeps scans, `_core.evaluate`); a module inserted
 there gets one set of variables per iteration, stacked on a new leading axis like the
 model's own (each row initialised from its own key). An edit at ``layers[3]/mlp``
-changes iteration 3 only: that iteration runs on its own between scans over the others.
+changes iteration 3 only: it runs under a `lax.cond` on the iteration index inside the
+same scan, so the edited model compiles about as fast as the model.
 
 Call-time inputs (``inputs=("delta",)``) make a node a function of values given when the
 edited model is called, as keyword arguments (``edited(x, delta=v)``): the edited model is
@@ -33,9 +35,9 @@ variables) is what iteration k sees.
 
 Sharp edges: `insert_after` acts on a module's output, or on its input with the
 ``:input`` port; `replace` and `remove` act on whole calls. The mode (keywords such as
-``train=False``) is fixed when the editor is made; NNX models are not supported (assign
-new submodules to the model instead). A node inserted at one iteration runs inside the
-loop under `lax.cond`, so it is no boundary of the edited model (nodes at ``[:]`` are).
+``train=False``, and `rngs`) is the one the editor was made with. A node inserted at one
+iteration runs under `lax.cond`, so it is no boundary of the edited model (nodes at
+``[:]`` are). An Equinox edited model is traced for the structure it was edited with.
 """
 
 from __future__ import annotations
@@ -162,19 +164,22 @@ class Editor(DrawsInline):
         name: str | None = None,
         inputs: Any = (),
     ) -> Editor:
-        """Inserts a function or linen module after a boundary's output (or input).
+        """Inserts a function or a module after a boundary's output (or input).
 
         Everything that read the boundary's output reads the node's output instead. With
         the ``:input`` port (``"block:input"``) the node transforms what the module
-        receives. A linen module's variables are initialised with `key` (on the value it
-        receives) and become trainable variables under the node's name. At a name inside
-        scans, ``layers[3]/mlp`` changes iteration 3 only and ``layers[:]/mlp`` every
-        iteration; a module inserted at ``[:]`` gets variables stacked per iteration.
+        receives. A module of the model's library brings its variables, trainable under
+        the node's name: a linen module (or a function of Haiku modules) is initialised
+        with `key` on the value it receives; an NNX module, an `eqx.Module` or a Keras
+        layer comes with its own. At a name inside scans, ``layers[3]/mlp`` changes
+        iteration 3 only and ``layers[:]/mlp`` every iteration; a module inserted at
+        ``[:]`` gets variables stacked per iteration (linen and Haiku: one row per
+        iteration from its own key; NNX, Equinox: give it stacked, e.g. by `nnx.vmap`).
 
         Args:
           at: the boundary (or an inserted node) whose value the node receives.
-          fn_or_module: a function ``f(value, *call_inputs)`` or a linen module.
-          key: a PRNG key, needed for a linen module.
+          fn_or_module: a function ``f(value, *call_inputs)`` or a module (see above).
+          key: a PRNG key, to initialise a linen module (or Haiku modules).
           name: the node's name (a boundary name from now on); generated if omitted.
           inputs: names of call-time inputs the node also receives, given as keywords
             when the edited model is called (``edited(x, delta=v)``). Each is shaped like
@@ -195,11 +200,14 @@ class Editor(DrawsInline):
     def replace(
         self, at: str, fn_or_module: Any, /, *, key: Any = None, inputs: Any = ()
     ) -> Editor:
-        """Replaces a module call (or an inserted node) by a function or linen module.
+        """Replaces a module call (or an inserted node) by a function or a module.
 
-        The replacement receives the call's array arguments (and the call-time `inputs`,
-        as for `insert_after`). A replacing linen module's variables are initialised with
-        `key` and live under the replaced call's name.
+        The replacement receives the call's array arguments that are not parameters (and
+        the call-time `inputs`, as for `insert_after`, shaped like the call's output
+        unless given). A replacing module's variables are initialised with `key` where
+        they need it, and live under the replaced call's name (inside scans, under a new
+        node name: the replaced call's variables are rows the other iterations keep).
+        Replacements and bypasses of one call apply in the order they are made.
 
         Returns:
           The editor, so edits chain.
@@ -322,8 +330,21 @@ class Editor(DrawsInline):
             n: jax.numpy.zeros(sample.shape, sample.dtype)
             for n, (_, sample) in self._tables.call_inputs().items()
         }
-        kwargs = {**split.kwargs, **samples}
-        return trace(EditedModel(plan, None), args, kwargs, adapter=EditedAdapter())
+        kwargs = {**split.kwargs, **samples, **self._collections()}
+        adapter = EditedAdapter(self._base.program.adapter)
+        return trace(EditedModel(plan, None), args, kwargs, adapter=adapter)
+
+    def _collections(self) -> dict[str, Any]:
+        """The random keys and `mutable` the editor was made with, for models that take
+        them (linen, Keras, Haiku): the edited model is traced with them too."""
+        program = self._base.program
+        if not program.adapter.has_collections:
+            return {}
+        # The collections the model updates in this mode (linen widens `mutable` to them
+        # while tracing), so that the edited model holds and can return them too.
+        updated = program.base.plan.updated_collections
+        mutable = program.base.traced.split.mutable or (sorted(updated) if updated else False)
+        return {"rngs": program.base.traced.split.rngs, "mutable": mutable}
 
     def _site(self, spec: Any) -> Site:
         """Where `spec` points: a boundary (an iteration of one inside scans, or all of
@@ -450,7 +471,12 @@ class Editor(DrawsInline):
         split = self._base.split
         samples = {n: sample for n, (_, sample) in self._tables.call_inputs().items()}
         model = EditedModel(self._plan(), record)
-        jax.eval_shape(model, self.variables, *split.args, **split.kwargs, **samples)
+        collections = self._collections()  # random keys and `mutable`: not abstract values
+
+        def probe(variables: Any, *args: Any, **kwargs: Any) -> Any:
+            return model(variables, *args, **collections, **kwargs)
+
+        jax.eval_shape(probe, self.variables, *split.args, **split.kwargs, **samples)
         return seen
 
 
@@ -458,13 +484,18 @@ def edit(target: Any, *args: Any, **kwargs: Any) -> Editor:
     """A graph-editing session: insert, replace and remove nodes at module boundaries.
 
     Args:
-      target, *args, **kwargs: as for `js.slice` (linen models and plain functions).
+      target, *args, **kwargs: as for `js.slice` (any model kind: linen, NNX, Equinox,
+        Keras, Haiku, plain functions); keywords fix the mode.
 
     Returns:
-      An `Editor` with ``insert_after(at, fn_or_module, *, key=None, name=None)``,
-      ``replace(at, fn_or_module, *, key=None)`` and ``remove(at)`` (each returns the
-      editor, so edits chain; a failed edit changes nothing), ``copy()``, ``build()`` and ``slice(start=..., end=...)`` (each a `js.Sliced`),
-      ``variables`` and ``boundaries()``. The original model and variables never change.
+      An `Editor` with ``insert_after(at, fn_or_module, *, key=None, name=None,
+      inputs=())``, ``replace(at, fn_or_module, *, key=None, inputs=())`` and
+      ``remove(at)`` (each returns the editor, so edits chain; a failed edit changes
+      nothing; names may pick iterations of scans, ``layers[3]/mlp``, or all of them,
+      ``layers[:]/mlp``), ``copy()``, ``build()`` (the edited model, as the same kind of
+      object a slice of the model is), ``slice(start=..., end=...)``, ``variables`` and
+      ``boundaries()``. The original model and variables never change (an NNX edited
+      model shares the model's variables, so training it trains the model).
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxslice as js
     >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])

@@ -32,11 +32,12 @@ from . import _compat
 from ._core.evaluate import BoundaryEvent, Hooks
 from ._core.evaluate import evaluate as evaluate_graph
 from ._core.markers import INPUT, OUTPUT, Origin, is_marking, mark_side, new_record
-from ._core.program import SliceProgram
+from ._core.program import SliceProgram, check_mutable
 from ._edit_nodes import Node, Tables, describe_shapes, same_shapes
 from ._errors import InputMismatchError, InvalidSpecError
 from ._sliced import Sliced
-from ._trees import abstract_tree, prune
+from ._trees import abstract_tree, is_traced_leaf, nest, prune
+from .adapters._base import Adapter, Split
 from .adapters._plain import PlainAdapter
 
 CALL_INPUTS = (
@@ -129,11 +130,28 @@ class EditPlan:
 
 class EditedAdapter(PlainAdapter):
     """The edited model as a plain function. Its boundaries are exactly the calls it marks
-    (linen name stacks would add regions named after classes, "Model/block"), and its
-    programs are keyed by the model's structure too (an NNX model's mode)."""
+    (linen name stacks would add regions named after classes, "Model/block"), its
+    programs are keyed by the model's structure too (an NNX model's mode), and it takes
+    `rngs` and `mutable` as the model does (linen, Keras, Haiku)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: Adapter) -> None:
         super().__init__(name_scopes=False)
+        self.model = model
+        self.has_collections = model.has_collections
+
+    def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
+        kwargs = dict(kwargs)
+        rngs, mutable = kwargs.pop("rngs", None), kwargs.pop("mutable", False)
+        split = super().split(target, args, kwargs)
+        return dataclasses.replace(split, rngs=rngs, mutable=mutable)
+
+    def call(self, target: Any, call: Split) -> tuple[Any, Any]:
+        kwargs = {"rngs": call.rngs, "mutable": call.mutable} if self.has_collections else {}
+        result = target(call.variables, *call.args, **kwargs, **call.kwargs)
+        return result if call.mutable else (result, None)
+
+    def wider_mutable(self, split: Split, error: BaseException | None) -> Any:
+        return self.model.wider_mutable(split, error)  # the edited variables hold the model's
 
     def structure_key(self, target: Any) -> Any:
         # The edited model itself (one per traced edit) with what can change under it.
@@ -212,7 +230,9 @@ class EditedModel:
         self.observe = observe
         self.__name__ = "edited"
 
-    def __call__(self, variables: Any, *inputs: Any, **kwargs: Any) -> Any:
+    def __call__(
+        self, variables: Any, *inputs: Any, rngs: Any = None, mutable: Any = False, **kwargs: Any
+    ) -> Any:
         plan = self.plan
         program = plan.program
         expected = plan.tables.call_inputs()
@@ -228,15 +248,20 @@ class EditedModel:
                 )
             )
         check_call_inputs(expected, given)
-        entry, leaves = program.lookup(inputs, kwargs, None, plan.live)
+        entry, leaves = program.lookup(inputs, kwargs, rngs, True if plan.live else mutable)
+        if not plan.live:  # state the model updates must be asked for, as its `apply` says
+            check_mutable(entry.plan, mutable, program.adapter.has_collections)
         graph = entry.traced.graph
         merged = plan.model_values(variables)
         values = [merged[p] for p in graph.variable_paths]
+        keys = [x for x in jax.tree_util.tree_leaves(rngs) if is_traced_leaf(x)]
         hooks = EditHooks(plan, variables, given, self.observe)
-        if not plan.live:
-            return evaluate_graph(graph, hooks, values, [], leaves)
+        if not (plan.live or mutable):
+            return evaluate_graph(graph, hooks, values, keys, leaves)
+        out, state = evaluate_graph(graph, hooks, values, keys, leaves, with_state=True)
+        if mutable:  # the updated collections, as the model's own `apply` returns them
+            return out, nest(graph.state_paths, state)
         # A model that holds its variables returns what it updated, to be written back.
-        out, state = evaluate_graph(graph, hooks, values, [], leaves, with_state=True)
         updated = {
             joined(p): x
             for p, x in zip(graph.state_paths, state, strict=True)

@@ -632,3 +632,33 @@ def test_replacing_a_shared_module_by_a_linen_module_is_an_error(shared_zoo):
     g.replace("shared@1", jnp.tanh)  # a function is fine
     h = jnp.tanh(jnp.tanh(dense(p["shared"], dense(p["stem"], shared_zoo.x))))
     assert_trees_all_close(g.build()(shared_zoo.x), dense(p["head"], h))
+
+
+class TrainNet(nn.Module):
+    """Dense -> BatchNorm -> Dropout -> Dense; `double` doubles fc's output by hand."""
+
+    double: bool = False
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        h = nn.Dense(4, name="fc")(x)
+        h = 2 * h if self.double else h
+        h = nn.BatchNorm(use_running_average=not train, name="bn")(h)
+        h = nn.Dropout(0.5, deterministic=not train)(h)
+        return nn.Dense(2, name="head")(h)
+
+
+def test_an_edited_model_in_train_mode_updates_statistics_as_linen_does():
+    x = random_input(3, (6, 5))
+    variables = TrainNet().init(jax.random.key(0), x)
+    rngs = {"dropout": jax.random.key(1)}
+    g = js.edit(TrainNet(), variables, x, train=True, rngs=rngs)
+    edited = g.insert_after("fc", lambda h: 2 * h).build()
+    got, state = edited.apply(edited.variables, x, rngs=rngs, mutable=["batch_stats"])
+    want, want_state = TrainNet(double=True).apply(
+        variables, x, train=True, rngs=rngs, mutable=["batch_stats"]
+    )
+    assert_trees_all_close(got, want)
+    assert_trees_all_close(state, want_state)
+    with pytest.raises(js.SliceError, match="batch_stats"):  # linen raises without mutable
+        edited.apply(edited.variables, x, rngs=rngs)

@@ -45,7 +45,15 @@ def test_an_inserted_keras_layer_equals_a_functional_model(keras):
     edited = g.build()
     reference = twin(keras, model, adapter)
     close(edited(X), reference(X))
+    # Training mode: the same output and the same new moving statistics as Keras's.
+    trainable = [v.value for v in reference.trainable_variables]
     fixed = [v.value for v in reference.non_trainable_variables]
+    want, new_fixed = reference.stateless_call(trainable, fixed, X, training=True)
+    trained = js.edit(model, X, training=True).insert_after("act", adapter, name="adapter").build()
+    got, state = trained.apply(trained.variables, X, mutable=["non_trainable"])
+    close(got, want)
+    moving = {v.path: n for v, n in zip(reference.non_trainable_variables, new_fixed, strict=True)}
+    close(state["non_trainable"]["bn"]["moving_mean"], moving["bn/moving_mean"])
     # Gradients reach the new layer as Keras's own would.
     grads = jax.grad(lambda v: jnp.sum(edited.apply(v, X) ** 2))(edited.variables)
 

@@ -393,3 +393,18 @@ def test_a_scanned_row_of_parameters_is_no_input_of_the_call():
     # A replacement receives the same: the carry only.
     doubled = js.edit(stack, w, x).replace("step[:]", lambda h: (2 * h, None)).build()
     close(doubled(x), x * 2**N)
+
+
+def test_an_edit_at_every_iteration_equals_flax_intercept_methods(scanned):
+    model, variables = scanned
+    edited = js.edit(model, variables, X).replace("layers[:]/mlp", jnp.sin).build()
+
+    def sin_mlp(next_fun, args, kwargs, context):
+        # Flax calls the interceptor for the one traced iteration of nn.scan's body.
+        if context.module.name == "mlp" and context.method_name == "__call__":
+            return jnp.sin(args[0])
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(sin_mlp):
+        want = model.apply(variables, X)
+    close(edited(X), want)
