@@ -181,6 +181,20 @@ def _scan_layout(params: dict[str, Any]) -> tuple[int, int]:
     return len(consts), len(carry)  # a flat tree's length is its number of leaves
 
 
+# Primitives whose cost grows with more than their operands' size: a program without
+# them (nor sub-programs) is cheap enough to run in every iteration of a loop.
+_CONTRACTIONS = frozenset({jax.lax.dot_general_p, jax.lax.conv_general_dilated_p})
+
+
+def is_cheap(closed: Any) -> bool:
+    """Whether a traced program only maps arrays element by element (and reshapes them):
+    no contraction, convolution or sub-program (a loop, a jitted call)."""
+    jaxpr, _ = open_jaxpr(closed)
+    return not any(
+        e.primitive in _CONTRACTIONS or next(subjaxprs(e), None) is not None for e in jaxpr.eqns
+    )
+
+
 def has_effects(eqn: Any) -> bool:
     """Whether an equation has side effects (debug callbacks, io callbacks, ...)."""
     return bool(getattr(eqn, "effects", None))

@@ -24,8 +24,9 @@ Edits inside scanned stacks: an edit at ``layers[:]/mlp`` changes every iteratio
 the loop stays one scan (the evaluator keeps scans, `_core.evaluate`); a module inserted
 there gets one set of variables per iteration, stacked on a new leading axis like the
 model's own (each row initialised from its own key). An edit at ``layers[3]/mlp``
-changes iteration 3 only: it runs under a `lax.cond` on the iteration index inside the
-same scan, so the edited model compiles about as fast as the model.
+changes iteration 3 only, inside the same scan: an element-wise edit is selected by the
+iteration index, a module runs under a `lax.cond` on it, so the edited model compiles
+about as fast as the model.
 
 Call-time inputs (``inputs=("delta",)``) make a node a function of values given when the
 edited model is called, as keyword arguments (``edited(x, delta=v)``): the edited model is
@@ -36,8 +37,8 @@ variables) is what iteration k sees.
 Sharp edges: `insert_after` acts on a module's output, or on its input with the
 ``:input`` port; `replace` and `remove` act on whole calls. The mode (keywords such as
 ``train=False``, and `rngs`) is the one the editor was made with. A node inserted at one
-iteration runs under `lax.cond`, so it is no boundary of the edited model (nodes at
-``[:]`` are). An Equinox edited model is traced for the structure it was edited with.
+iteration runs in a branch of the loop body, so it is no boundary of the edited model
+(nodes at ``[:]`` are). An Equinox edited model is traced for the structure it was edited with.
 """
 
 from __future__ import annotations

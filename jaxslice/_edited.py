@@ -360,7 +360,7 @@ class EditHooks(Hooks):
         """An inserted node (and the nodes inserted after it) on `value`."""
 
         def run() -> Any:
-            # A node that runs in one iteration only (under `lax.cond`) is no boundary.
+            # A node that runs in one iteration only (a branch of the body) is no boundary.
             remark = is_marking() and not node.when
             record = new_record(
                 origin=Origin.NODE,
@@ -406,12 +406,19 @@ class EditHooks(Hooks):
 
 def _only(event: BoundaryEvent, when: Any, compute: Callable[[], Any], otherwise: Any) -> Any:
     """``compute()``, or, for an edit at one iteration (`when`), ``compute()`` in that
-    iteration and `otherwise` in the others: a `lax.cond` inside the loop, so the loop
-    stays one scan (and compiles as fast as the unedited one)."""
+    iteration and `otherwise` in the others, inside the loop, so the loop stays one scan.
+
+    An edit that only maps values element by element (a patch, a steering vector, a
+    mask) runs in every iteration and is selected (`jnp.where`), which keeps the loop
+    body one fused program; anything heavier (a module) runs under `lax.cond`, only in
+    its iteration (XLA compiles a conditional's branches apart: about 1.3x the model's
+    compile time for a 24-layer stack, against 1.1x with a select)."""
     if not when:
         return compute()
     hit = functools.reduce(jnp.logical_and, [event.rows[d] == k for d, k in when])
-    return jax.lax.cond(hit, compute, lambda: otherwise)
+    if not _compat.is_cheap(jax.make_jaxpr(compute)()):
+        return jax.lax.cond(hit, compute, lambda: otherwise)
+    return jax.tree_util.tree_map(lambda new, old: jnp.where(hit, new, old), compute(), otherwise)
 
 
 def _rows(tree: Any, rows: Sequence[Any]) -> Any:

@@ -124,10 +124,23 @@ def test_an_edit_at_one_iteration_changes_only_that_one(scanned, k):
     g = js.edit(model, variables, X).replace(f"layers[{k}]/mlp", lambda h: jnp.zeros_like(h))
     edited = g.build()
     close(edited(X), twin(variables, mlp_edit=lambda j, m: m * 0 if j == i else m))
-    # The loop stays one scan: the edit runs under a `cond` on the iteration index.
+    # The loop stays one scan; an element-wise edit is selected by the iteration index.
     assert scan_lengths(edited, X) == [N]
-    jaxpr = jax.make_jaxpr(edited)(X)
-    assert "cond" in {e.primitive.name for e in iter_eqns(jaxpr)}
+    assert "cond" not in {e.primitive.name for e in iter_eqns(jax.make_jaxpr(edited)(X))}
+
+
+def test_a_module_at_one_iteration_runs_only_there(scanned):
+    model, variables = scanned
+    g = js.edit(model, variables, X).insert_after(
+        "layers[2]/mlp", nn.Dense(D, name="x"), key=jax.random.key(3), name="extra"
+    )
+    p = g.variables["params"]["extra"]
+    edited = g.build()
+    want = twin(variables, mlp_edit=lambda j, m: m @ p["kernel"] + p["bias"] if j == 2 else m)
+    close(edited(X), want)
+    # A module (a contraction) runs under a `cond` on the iteration index, in one scan.
+    assert scan_lengths(edited, X) == [N]
+    assert "cond" in {e.primitive.name for e in iter_eqns(jax.make_jaxpr(edited)(X))}
 
 
 def test_edits_at_every_iteration_and_at_one_combine(scanned):
