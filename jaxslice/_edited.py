@@ -235,19 +235,7 @@ class EditedModel:
     ) -> Any:
         plan = self.plan
         program = plan.program
-        expected = plan.tables.call_inputs()
-        given = {k: kwargs.pop(k) for k in list(kwargs) if k in expected}
-        accepted = program.adapter.accepted_keywords(program.target)
-        extra = [k for k in kwargs if accepted is not None and k not in accepted]
-        if extra and expected:
-            raise InputMismatchError(
-                CALL_INPUTS.format(
-                    names=list(expected),
-                    example=", ".join(f"{n}=..." for n in expected),
-                    problem=f"Neither call-time inputs nor keywords of the model: {extra}.",
-                )
-            )
-        check_call_inputs(expected, given)
+        given = take_call_inputs(plan, kwargs)
         entry, leaves = program.lookup(inputs, kwargs, rngs, True if plan.live else mutable)
         if not plan.live:  # state the model updates must be asked for, as its `apply` says
             check_mutable(entry.plan, mutable, program.adapter.has_collections)
@@ -262,12 +250,27 @@ class EditedModel:
         if mutable:  # the updated collections, as the model's own `apply` returns them
             return out, nest(graph.state_paths, state)
         # A model that holds its variables returns what it updated, to be written back.
-        updated = {
-            joined(p): x
-            for p, x in zip(graph.state_paths, state, strict=True)
-            if x is not merged.get(p)
-        }
-        return out, updated
+        pairs = zip(graph.state_paths, state, strict=True)
+        return out, {joined(p): x for p, x in pairs if x is not merged.get(p)}
+
+
+def take_call_inputs(plan: EditPlan, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Takes the call-time inputs out of a call's keywords (the rest are the model's),
+    checked: none missing or unknown, each of its dtype and its loops' leading axes."""
+    expected = plan.tables.call_inputs()
+    given = {k: kwargs.pop(k) for k in list(kwargs) if k in expected}
+    accepted = plan.program.adapter.accepted_keywords(plan.program.target)
+    extra = [k for k in kwargs if accepted is not None and k not in accepted]
+    if extra and expected:
+        raise InputMismatchError(
+            CALL_INPUTS.format(
+                names=list(expected),
+                example=", ".join(f"{n}=..." for n in expected),
+                problem=f"Neither call-time inputs nor keywords of the model: {extra}.",
+            )
+        )
+    check_call_inputs(expected, given)
+    return given
 
 
 def check_call_inputs(expected: dict[str, tuple[Node, Any]], given: dict[str, Any]) -> None:
