@@ -260,7 +260,7 @@ def test_an_nnx_slice_exports_in_its_current_mode_with_its_variables_built_in():
     with pytest.raises(js.SliceError, match="sub.eval"):
         sub.export()  # train mode: batch statistics and dropout counters change
     sub.eval()
-    received = jax.export.deserialize(sub.export().serialize())
+    received = _roundtrip(sub.export())
     xs = random_input(3, (7, 4))
     # The oracle: the model's own submodules, called eagerly in eval mode.
     assert_trees_all_close(received.call(xs), jax.nn.relu(model.bn(model.lin(xs))))
