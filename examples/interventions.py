@@ -46,6 +46,8 @@ from transformer_layers import (
 
 import jaxslice as js
 
+L1 = 1e-2  # the sparse autoencoder's sparsity penalty
+
 
 class SparseAutoencoder(nn.Module):
     """ReLU dictionary of `features` directions: ``decode(relu(encode(x - b) ))``."""
@@ -166,7 +168,7 @@ def main(argv=None) -> None:
     def sae_step(params, opt_state, batch):
         def loss(p):
             recon, codes = sae.apply(p, batch)
-            return jnp.mean((recon - batch) ** 2) + 1e-3 * jnp.mean(jnp.abs(codes).sum(-1))
+            return jnp.mean((recon - batch) ** 2) + L1 * jnp.mean(jnp.abs(codes).sum(-1))
 
         value, grads = jax.value_and_grad(loss)(params)
         updates, opt_state = tx.update(grads, opt_state)
