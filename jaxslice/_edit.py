@@ -61,7 +61,6 @@ from ._edit_nodes import (
     Tables,
     call_input_specs,
     describe_shapes,
-    is_linen,
     new_node,
     same_shapes,
 )
@@ -223,9 +222,9 @@ class Editor(DrawsInline):
             name = self._fresh_name(fn_or_module)
         else:
             name = self._base.resolver.resolve(site.name, OUTPUT)[0].name
-        self._check_replaceable(site, fn_or_module)
         out = self._value_at(site, OUTPUT)  # what call-time inputs are shaped like
         node = self._new_node(fn_or_module, key, name, sample, site, inputs, out)
+        self._check_replaceable(site, node)
         return self._commit(Edit("replace", site, node), f"Replacing {site.name!r}")
 
     def remove(self, at: str, /) -> Editor:
@@ -389,11 +388,13 @@ class Editor(DrawsInline):
             )
         return found
 
-    def _check_replaceable(self, site: Site, fn_or_module: Any) -> None:
-        if site.name in self._tables.inserted or site.in_loop:
+    def _check_replaceable(self, site: Site, node: Node) -> None:
+        """A module with variables takes the name of the call it replaces: refused for one
+        call of a module called several times (both would have that name)."""
+        if site.name in self._tables.inserted or site.in_loop or node.variables is None:
             return
         call, _ = self._base.resolver.resolve(site.name, OUTPUT)
-        if call.count > 1 and is_linen(fn_or_module):
+        if call.count > 1:
             raise InvalidSpecError(
                 f"{call.name!r} is a module called {call.count} times; replacing one call by a "
                 "module with its own variables would give two modules one name. Replace it with "
