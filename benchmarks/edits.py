@@ -5,7 +5,7 @@ batch 8 x 64 tokens x width 128; ``--quick``: 12 blocks). Each edited model is c
 against the same edit written by hand before anything is timed.
 
 * 18: forward of the model edited at every iteration (``insert_after("layers[:]/down",
-  f)``) / the same edit written by hand (`EditedBlock` inside the model's own
+  f)``) / the same edit written by hand (`scanned.Block` with it inside, in the model's own
   ``nn.scan``), both jitted, warm.
 * 19, 20: XLA compile time of an edit at one iteration (``layers[k]/down``), and of a
   module inserted at every iteration (a low-rank adapter with stacked variables), / the
@@ -26,25 +26,12 @@ import flax.linen as nn
 import jax
 from _common import Config, Log, meets, row
 from _timing import Op, check_close, compare, paired
-from scanned import HEADS, Scanned
+from scanned import Scanned
 
 import jaxslice as js
 from jaxslice.observe import ActivationStats
 
 SCALE = 0.5  # the edit of rows 18 and 20: the MLP's output scaled (a fixed intervention)
-
-
-class EditedBlock(nn.Module):
-    """`scanned.Block` with the edit of row 18 written in: the ``down`` output scaled."""
-
-    @nn.compact
-    def __call__(self, x, _):
-        width = x.shape[-1]
-        h = nn.LayerNorm(name="ln1")(x)
-        x = x + nn.MultiHeadDotProductAttention(HEADS, name="attn")(h, h)
-        h = nn.LayerNorm(name="ln2")(x)
-        h = nn.Dense(4 * width, name="up")(h)
-        return x + SCALE * nn.Dense(width, name="down")(nn.gelu(h)), None
 
 
 class LowRank(nn.Module):
@@ -55,29 +42,14 @@ class LowRank(nn.Module):
         return h + nn.Dense(h.shape[-1], use_bias=False, name="b")(nn.Dense(8, name="a")(h))
 
 
-class LowRankBlock(nn.Module):
-    """`scanned.Block` with `LowRank` after ``down`` written in (row 20's reference)."""
-
-    @nn.compact
-    def __call__(self, x, _):
-        width = x.shape[-1]
-        h = nn.LayerNorm(name="ln1")(x)
-        x = x + nn.MultiHeadDotProductAttention(HEADS, name="attn")(h, h)
-        h = nn.LayerNorm(name="ln2")(x)
-        h = nn.Dense(4 * width, name="up")(h)
-        return x + LowRank(name="lora")(nn.Dense(width, name="down")(nn.gelu(h))), None
+def _scaled(h: Any) -> Any:
+    """The edit of rows 18 and 19, written into the block by hand for row 18."""
+    return SCALE * h
 
 
-class EditedScanned(nn.Module):
-    depth: int
-    block: type = EditedBlock
-
-    @nn.compact
-    def __call__(self, x):
-        stack = nn.scan(
-            self.block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.depth
-        )
-        return stack(name="layers")(x, None)[0]
+def _low_rank(h: Any) -> Any:
+    """Row 20's adapter written into the block by hand (its variables under ``lora``)."""
+    return LowRank(name="lora")(h)
 
 
 def _compile_of(fn: Callable[..., Any], *args: Any) -> Op:
@@ -114,7 +86,7 @@ def run(cfg: Config, log: Log) -> dict[str, Any]:
 
     log("18. edited forward / the same edit written by hand")
     edited = js.edit(model, v, x).insert_after("layers[:]/down", lambda h: SCALE * h).build()
-    by_hand = jax.jit(EditedScanned(depth).apply)
+    by_hand = jax.jit(Scanned(depth, _scaled).apply)
     check_close(edited(x), by_hand(v, x), "edited model vs the edit by hand", 1e-3)
     res = compare(
         lambda: edited(x).block_until_ready(),
@@ -138,7 +110,7 @@ def run(cfg: Config, log: Log) -> dict[str, Any]:
         res = paired(_compile_of(fn, variables, x), _compile_of(model.apply, v, x), cfg.reps, False)
         note = "(compile only)"
         if label.startswith("20") and not cfg.quick:  # the adapter's own cost, by hand
-            twin = EditedScanned(depth, LowRankBlock)
+            twin = Scanned(depth, _low_rank)
             p = {**stacked_vars["params"]}
             p["layers"] = {**p["layers"], "lora": p.pop("lora")}
             check_close(twin.apply({"params": p}, x), stacked(x), "LowRank vs by hand", 1e-3)

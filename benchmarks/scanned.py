@@ -38,7 +38,12 @@ HEADS = 4
 
 
 class Block(nn.Module):
-    """A pre-LN transformer block, with ``nn.scan``'s signature: (carry, x) -> (carry, y)."""
+    """A pre-LN transformer block, with ``nn.scan``'s signature: (carry, x) -> (carry, y).
+
+    `after_down`, if given, is applied to the MLP's output (inside the block: an edit
+    written by hand, for the edit rows)."""
+
+    after_down: Callable[[Any], Any] | None = None
 
     @nn.compact
     def __call__(self, x, _):
@@ -47,20 +52,22 @@ class Block(nn.Module):
         x = x + nn.MultiHeadDotProductAttention(HEADS, name="attn")(h, h)
         h = nn.LayerNorm(name="ln2")(x)
         h = nn.Dense(4 * width, name="up")(h)
-        return x + nn.Dense(width, name="down")(nn.gelu(h)), None
+        h = nn.Dense(width, name="down")(nn.gelu(h))
+        return x + (h if self.after_down is None else self.after_down(h)), None
 
 
 class Scanned(nn.Module):
     """The blocks as one ``nn.scan`` (stacked parameters), named ``layers``."""
 
     depth: int
+    after_down: Callable[[Any], Any] | None = None
 
     @nn.compact
     def __call__(self, x):
         stack = nn.scan(
             Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.depth
         )
-        x, _ = stack(name="layers")(x, None)
+        x, _ = stack(self.after_down, name="layers")(x, None)
         return x
 
 

@@ -538,3 +538,80 @@ def pair_verdict(missing: bool, disconnected: bool, unused: bool, clash: bool) -
     if unused:
         return "unused"
     return "valid"
+
+
+# --------------------------------------------------------------------------- scanned stacks
+#
+# Small stacks of scanned layers (5 layers of width 6 by default), shared by the scan,
+# interpreter and editing tests: a linen `nn.scan` and an NNX stack made by `nnx.vmap`
+# and run by `nnx.scan`, with the same block (``x + mlp(tanh(attn(x)))``).
+
+SCAN_LAYERS = 5
+SCAN_WIDTH = 6
+
+
+class ScanBlock(nn.Module):
+    """``(x, _) -> (x + mlp(tanh(attn(x))), None)``: `nn.scan`'s signature."""
+
+    @nn.compact
+    def __call__(self, x, _=None):
+        a = nn.Dense(SCAN_WIDTH, name="attn")(x)
+        return x + nn.Dense(SCAN_WIDTH, name="mlp")(jnp.tanh(a)), None
+
+
+class ScannedModel(nn.Module):
+    """``embed``, `ScanBlock` scanned `SCAN_LAYERS` times as ``layers``, ``head``."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(SCAN_WIDTH, name="embed")(x)
+        stack = nn.scan(
+            ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=SCAN_LAYERS
+        )
+        x, _ = stack(name="layers")(x, None)
+        return nn.Dense(3, name="head")(x)
+
+
+def nnx_scanned(rngs: Any, layers: int = SCAN_LAYERS) -> Any:
+    """The same model in NNX: ``embed``, `layers` stacked blocks (``nnx.vmap``) run by
+    ``nnx.scan``, ``head``."""
+    from flax import nnx
+
+    class NBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.attn = nnx.Linear(SCAN_WIDTH, SCAN_WIDTH, rngs=rngs)
+            self.mlp = nnx.Linear(SCAN_WIDTH, SCAN_WIDTH, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.mlp(jnp.tanh(self.attn(x)))
+
+    class NScanned(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return NBlock(rngs)
+
+            self.embed = nnx.Linear(4, SCAN_WIDTH, rngs=rngs)
+            self.layers = make(rngs)
+            self.head = nnx.Linear(SCAN_WIDTH, 3, rngs=rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def body(layer, h):
+                return layer(h)
+
+            return self.head(body(self.layers, self.embed(x)))
+
+    return NScanned(rngs)
+
+
+def eager_rows(stacked: Any) -> list[Any]:
+    """An NNX module with stacked variables as one eager module per row (an oracle)."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(stacked)
+    n = jax.tree_util.tree_leaves(state)[0].shape[0]
+    return [
+        nnx.merge(graphdef, jax.tree_util.tree_map(lambda a, k=k: a[k], state)) for k in range(n)
+    ]

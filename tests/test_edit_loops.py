@@ -17,29 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import iter_eqns
+from conftest import SCAN_LAYERS, SCAN_WIDTH, ScannedModel, iter_eqns
 
 import jaxslice as js
 
-N = 5  # layers
-D = 6
-
-
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x, _=None):
-        a = nn.Dense(D, name="attn")(x)
-        y = x + nn.Dense(D, name="mlp")(jnp.tanh(a))
-        return y, None
-
-
-class Scanned(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(D, name="embed")(x)
-        stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=N)
-        x, _ = stack(name="layers")(x, None)
-        return nn.Dense(3, name="head")(x)
+N, D = SCAN_LAYERS, SCAN_WIDTH  # the shared scanned model's layers and width
+Scanned = ScannedModel
 
 
 class TwinBlock(nn.Module):

@@ -15,9 +15,11 @@ import pytest
 
 nnx = pytest.importorskip("flax.nnx")
 
+from conftest import SCAN_WIDTH, eager_rows, nnx_scanned  # noqa: E402
+
 import jaxslice as js  # noqa: E402
 
-N, D = 4, 6
+N, D = 4, SCAN_WIDTH
 X = jnp.asarray(np.random.default_rng(0).normal(size=(5, 4)), jnp.float32)
 
 
@@ -164,40 +166,13 @@ def test_call_time_steering_on_an_nnx_model_and_export():
 # --------------------------------------------------------------------------- nnx.scan
 
 
-class NBlock(nnx.Module):
-    def __init__(self, rngs):
-        self.attn = nnx.Linear(D, D, rngs=rngs)
-        self.mlp = nnx.Linear(D, D, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.mlp(jnp.tanh(self.attn(x)))
-
-
-class NScanned(nnx.Module):
-    def __init__(self, rngs):
-        @nnx.split_rngs(splits=N)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make(rngs):
-            return NBlock(rngs)
-
-        self.embed = nnx.Linear(4, D, rngs=rngs)
-        self.layers = make(rngs)
-        self.head = nnx.Linear(D, 3, rngs=rngs)
-
-    def __call__(self, x):
-        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-        def body(layer, h):
-            return layer(h)
-
-        return self.head(body(self.layers, self.embed(x)))
+def NScanned(rngs):  # noqa: N802 - the model's constructor
+    return nnx_scanned(rngs, layers=N)
 
 
 def eager_layers(model):
     """The stacked layers as N eager NNX modules (the oracle)."""
-    graphdef, state = nnx.split(model.layers)
-    return [
-        nnx.merge(graphdef, jax.tree_util.tree_map(lambda a, k=k: a[k], state)) for k in range(N)
-    ]
+    return eager_rows(model.layers)
 
 
 class Lora(nnx.Module):
@@ -219,20 +194,13 @@ def test_stacked_nnx_adapters_in_every_layer_of_an_nnx_scan():
 
     lora = make(nnx.Rngs(3))
     edited = js.edit(model, X).insert_after("layers[:]/mlp", lora, name="lora").build()
-    layers, rows = eager_layers(model), eager_layers_of(lora)
+    layers, rows = eager_layers(model), eager_rows(lora)
     h = model.embed(X)
     for layer, row in zip(layers, rows, strict=True):
         h = h + row(layer.mlp(jnp.tanh(layer.attn(h))))
     close(edited(X), model.head(h))
     with pytest.raises(js.SliceError, match=r"leading axes \[4\]"):
         js.edit(model, X).insert_after("layers[:]/mlp", Lora(nnx.Rngs(4)))
-
-
-def eager_layers_of(stacked):
-    graphdef, state = nnx.split(stacked)
-    return [
-        nnx.merge(graphdef, jax.tree_util.tree_map(lambda a, k=k: a[k], state)) for k in range(N)
-    ]
 
 
 def test_patch_one_layer_of_an_nnx_scan_in_a_vmapped_sweep():

@@ -12,30 +12,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import count_primitive, iter_eqns
+from conftest import (
+    SCAN_LAYERS,
+    SCAN_WIDTH,
+    ScanBlock,
+    ScannedModel,
+    count_primitive,
+    eager_rows,
+    iter_eqns,
+    nnx_scanned,
+)
 from flax import nnx
 
 import jaxslice as js
 
-N = 5  # layers
-D = 6
+N = SCAN_LAYERS
+D = SCAN_WIDTH
 
 
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x, _=None):
-        a = nn.Dense(D, name="attn")(x)
-        y = x + nn.Dense(D, name="mlp")(jnp.tanh(a))
-        return y, None
-
-
-class Scanned(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(D, name="embed")(x)
-        stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=N)
-        x, _ = stack(name="layers")(x, None)
-        return nn.Dense(3, name="head")(x)
+Block, Scanned = ScanBlock, ScannedModel  # the shared stack of `N` blocks of width `D`
 
 
 class Unrolled(nn.Module):
@@ -206,40 +201,13 @@ def test_new_batch_size_reuses_the_names(scanned):
 # --------------------------------------------------------------------------- NNX
 
 
-class NBlock(nnx.Module):
-    def __init__(self, rngs):
-        self.attn = nnx.Linear(D, D, rngs=rngs)
-        self.mlp = nnx.Linear(D, D, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.mlp(jnp.tanh(self.attn(x)))
-
-
-class NScanned(nnx.Module):
-    def __init__(self, rngs):
-        @nnx.split_rngs(splits=N)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make(rngs):
-            return NBlock(rngs)
-
-        self.embed = nnx.Linear(4, D, rngs=rngs)
-        self.layers = make(rngs)
-        self.head = nnx.Linear(D, 3, rngs=rngs)
-
-    def __call__(self, x):
-        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-        def body(layer, h):
-            return layer(h)
-
-        return self.head(body(self.layers, self.embed(x)))
+def NScanned(rngs):  # noqa: N802 - the model's constructor
+    return nnx_scanned(rngs)
 
 
 def nnx_layers(model):
     """The stacked layers as N eager NNX modules (the oracle)."""
-    graphdef, state = nnx.split(model.layers)
-    return [
-        nnx.merge(graphdef, jax.tree_util.tree_map(lambda a, k=k: a[k], state)) for k in range(N)
-    ]
+    return eager_rows(model.layers)
 
 
 def test_nnx_scan_calls_are_boundaries_under_attribute_paths():
