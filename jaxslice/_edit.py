@@ -64,10 +64,11 @@ from ._edit_nodes import (
     new_node,
     same_shapes,
 )
-from ._edited import Built, Edited, EditedAdapter, EditedModel, EditPlan, joined
+from ._edited import Built, Edited, EditedAdapter, EditedModel, EditPlan
 from ._errors import InvalidSpecError, SliceError
 from ._slice import view
 from ._table import BoundaryTable, describe
+from ._trees import joined_key
 
 # Keywords the edited model's `apply` takes itself: no call-time input may be named so.
 RESERVED = frozenset({"rngs", "mutable", "variables"})
@@ -116,7 +117,7 @@ class Editor(DrawsInline):
         # joined paths (see `EditPlan`).
         flat, _ = program.adapter.flatten_variables(self._variables)
         live = program.adapter.holds_variables
-        self._paths = {joined(p): p for p, _ in flat} if live else {}
+        self._paths = {joined_key(p): p for p, _ in flat} if live else {}
         graph = program.base.traced.graph
         taken = {c.qualname for c in graph.calls} | {c.name for c in graph.calls}
         taken |= program.adapter.variable_names(self._variables)

@@ -36,7 +36,7 @@ from ._core.program import SliceProgram, check_mutable
 from ._edit_nodes import Node, Tables, describe_shapes, same_shapes
 from ._errors import InputMismatchError, InvalidSpecError
 from ._sliced import Sliced
-from ._trees import abstract_tree, is_traced_leaf, nest, prune
+from ._trees import abstract_tree, is_traced_leaf, joined_key, nest, prune
 from .adapters._base import Adapter, Split
 from .adapters._plain import PlainAdapter
 
@@ -82,7 +82,7 @@ class EditPlan:
             model = self.variables
             if self.live:
                 live = adapter.live_variables(self.target)
-                model = {joined(p): v for p, v in live.items()}
+                model = {joined_key(p): v for p, v in live.items()}
             return {"model": model, "nodes": {n.name: n.variables for n in nodes}}
         base = self.variables
         if not nodes:
@@ -218,10 +218,6 @@ class Edited(Sliced):
         return jax.export.export(jax.jit(fn), platforms=platforms)(*args, **kwargs)
 
 
-def joined(path: tuple[Any, ...]) -> str:
-    return "/".join(map(str, path))
-
-
 class EditedModel:
     """The edited model as a plain function ``fn(variables, *inputs, **call_inputs)``."""
 
@@ -251,7 +247,7 @@ class EditedModel:
             return out, nest(graph.state_paths, state)
         # A model that holds its variables returns what it updated, to be written back.
         pairs = zip(graph.state_paths, state, strict=True)
-        return out, {joined(p): x for p, x in pairs if x is not merged.get(p)}
+        return out, {joined_key(p): x for p, x in pairs if x is not merged.get(p)}
 
 
 def take_call_inputs(plan: EditPlan, kwargs: dict[str, Any]) -> dict[str, Any]:

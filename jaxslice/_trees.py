@@ -121,6 +121,15 @@ def join_name(parts: Sequence[str]) -> str:
 _EMPTY = object()
 
 
+def joined_key(path: Sequence[Any]) -> str:
+    """A variable path as one string key, as an edited NNX model keys its variables.
+
+    >>> joined_key(("blocks", 0, "linear", "kernel"))
+    'blocks/0/linear/kernel'
+    """
+    return "/".join(map(str, path))
+
+
 def prune(tree: Any, keep: set[tuple[Any, ...]], path: tuple[Any, ...] = ()) -> Any:
     """The part of `tree` whose leaves are at `keep` paths, keeping its nesting.
 

@@ -23,10 +23,11 @@ from flax import nnx
 
 from .. import _compat
 from .._errors import SliceError
+from .._trees import joined_key
 from ._nnx_state import flat_state, get_value, set_value, state_from_flat
 
 NODE_STATE = (
-    "The new node {name!r} ({kind}) updated its own state while called ({paths}), which an "
+    "The new node ({kind}) updated its own state while called ({paths}), which an "
     "edit cannot keep. Switch it to evaluation mode before inserting it (`node.eval()`), "
     "or insert a node without batch statistics or random draws."
 )
@@ -42,11 +43,6 @@ NOT_COPYABLE = (
 )
 
 
-def joined(path: tuple[Any, ...]) -> str:
-    """A variable path as one string key (``blocks/0/linear/kernel``)."""
-    return "/".join(map(str, path))
-
-
 def node_of(module: Any) -> tuple[Callable[..., Any], dict[str, Any], Callable[[], Any]]:
     """``(fn, values, structure)``: ``fn(values, *args)`` calls `module` as it is now (its
     current graph definition: a mode switched after the edit counts) with those variable
@@ -56,16 +52,16 @@ def node_of(module: Any) -> tuple[Callable[..., Any], dict[str, Any], Callable[[
     def fn(values: dict[str, Any], *args: Any) -> Any:
         graphdef, state = nnx.split(module)
         flat = flat_state(state)
-        pairs = [(p, v.replace(values[joined(p)])) for p, v in flat]
+        pairs = [(p, v.replace(values[joined_key(p)])) for p, v in flat]
         copy = nnx.merge(graphdef, state_from_flat(pairs))
         out = copy(*args)
-        after = {joined(p): get_value(v) for p, v in flat_state(nnx.state(copy))}
+        after = {joined_key(p): get_value(v) for p, v in flat_state(nnx.state(copy))}
         changed = [k for k, v in after.items() if v is not values.get(k)]
         if changed:
-            raise SliceError(NODE_STATE.format(name=kind, kind=kind, paths=changed[:4]))
+            raise SliceError(NODE_STATE.format(kind=kind, paths=changed[:4]))
         return out
 
-    values = {joined(p): get_value(v) for p, v in flat_state(nnx.state(module))}
+    values = {joined_key(p): get_value(v) for p, v in flat_state(nnx.state(module))}
     return fn, values, lambda: nnx.graphdef(module)
 
 
@@ -93,9 +89,9 @@ class EditedModule(nnx.Module):
 
     def _variables(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``({"model": ..., "nodes": ...}, the model's variables by key)``, current values."""
-        held = {joined(p): v for p, v in flat_state(nnx.state(self.model))}
+        held = {joined_key(p): v for p, v in flat_state(nnx.state(self.model))}
         nodes = {
-            name: {joined(p): get_value(v) for p, v in flat_state(nnx.state(node))}
+            name: {joined_key(p): get_value(v) for p, v in flat_state(nnx.state(node))}
             for name, node in zip(self._jaxslice.names, self.nodes, strict=True)
         }
         values = {k: get_value(v) for k, v in held.items()}
