@@ -354,7 +354,7 @@ class Editor(DrawsInline):
             base, _, port = parse(spec)
             if base in self._tables.inserted:
                 node = self._tables.inserted[base]
-                return Site(base, port or OUTPUT, base, node.stacked, node.depths, node.when)
+                return dataclasses.replace(node.site, name=base, port=port or OUTPUT, key=base)
         ref = self._base.resolver.loop_ref(spec, OUTPUT)
         if ref is None:
             call, port = self._base.resolver.resolve(spec, OUTPUT)
@@ -429,14 +429,7 @@ class Editor(DrawsInline):
         lead = len(site.lengths)  # a module is made for one iteration's values
         rows = tuple(jax.ShapeDtypeStruct(s.shape[lead:], s.dtype) for s in samples)
         node = new_node(adapter, fn_or_module, key, name, site, (*args, *rows))
-        return dataclasses.replace(
-            node,
-            inputs=names,
-            samples=samples,
-            stacked=site.lengths,
-            depths=site.depths,
-            when=site.when,
-        )
+        return dataclasses.replace(node, inputs=names, samples=samples, site=site)
 
     def _fresh_name(self, fn_or_module: Any) -> str:
         base = getattr(fn_or_module, "__name__", None) or type(fn_or_module).__name__

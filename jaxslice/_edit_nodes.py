@@ -33,11 +33,7 @@ class Node:
     variables: Any  # its own variables ({collection: ...} for linen), or None
     inputs: tuple[str, ...] = ()  # names of its call-time inputs
     samples: tuple[Any, ...] = ()  # their shapes and dtypes (`jax.ShapeDtypeStruct`s)
-    # Loop lengths its variables and call-time inputs are stacked over: one per ``[:]``
-    # of the name it was inserted at, outermost first.
-    stacked: tuple[int, ...] = ()
-    depths: tuple[int, ...] = ()  # which enclosing loops those are (their depths)
-    when: tuple[tuple[int, int], ...] = ()  # only in these iterations: (depth, k), ...
+    site: Site | None = None  # where it was put
     # What of the node, besides its variables, decides the edited program (an NNX
     # module's graph definition: its mode); None where nothing can change.
     structure_of: Callable[[], Any] | None = None
@@ -45,6 +41,22 @@ class Node:
     @property
     def structure(self) -> Any:
         return self.structure_of() if self.structure_of is not None else None
+
+    @property
+    def stacked(self) -> tuple[int, ...]:
+        """Loop lengths its variables and call-time inputs are stacked over: one per
+        ``[:]`` of the name it was put at, outermost first."""
+        return self.site.lengths if self.site is not None else ()
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        """Which enclosing loops those are (their depths)."""
+        return self.site.depths if self.site is not None else ()
+
+    @property
+    def when(self) -> tuple[tuple[int, int], ...]:
+        """The only iterations it runs in, ``(depth, k)``; empty for all of them."""
+        return self.site.when if self.site is not None else ()
 
     @property
     def module_type(self) -> str:

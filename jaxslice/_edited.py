@@ -329,7 +329,7 @@ class EditHooks(Hooks):
         call_args = args if isinstance(args, tuple) else (args,)
         for when, node in self.tables.changed.get(event.name, ()):
             if node is None:
-                value = _only(event, when, functools.partial(lambda a: a, args), value)
+                value = _only(event, when, lambda: args, value)
             else:
                 run = functools.partial(self._run, node, event, call_args, value)
                 value = _only(event, when, run, value)
