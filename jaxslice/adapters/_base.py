@@ -201,6 +201,24 @@ class Adapter:
         return {str(k) for k in variables} if isinstance(variables, Mapping) else set()
 
 
+class CollectionNodes:
+    """Where an edit's new modules keep their variables in a model whose variables are
+    collections of per-module dicts (linen's ``params``, Keras's ``trainable``): under
+    the node's name in each collection they have (``variables["params"][name]``)."""
+
+    def node_of(self, path: tuple[Any, ...]) -> str | None:
+        names = path_names(path)
+        return names[1] if len(names) > 2 else None  # (collection, node, ...)
+
+    def with_node(self, variables: dict[Any, Any], name: str, node_variables: Any) -> None:
+        for collection, values in node_variables.items():
+            if values:
+                variables.setdefault(collection, {})[name] = values
+
+    def node_variables(self, variables: Any, name: str, node_variables: Any) -> Any:
+        return {c: variables[c][name] if v else {} for c, v in node_variables.items()}
+
+
 def keywords_of(fn: Any) -> set[str] | None:
     """The keyword parameter names of `fn`, or None when it takes ``**kwargs``."""
     try:

@@ -30,7 +30,15 @@ import jax
 
 from .._errors import InvalidSpecError, SliceError, UnsupportedTargetError
 from .._trees import path_names
-from ._base import Adapter, NewModule, Split, count_by_prefix, keywords_of, split_kwargs
+from ._base import (
+    Adapter,
+    CollectionNodes,
+    NewModule,
+    Split,
+    count_by_prefix,
+    keywords_of,
+    split_kwargs,
+)
 from ._patching import callable_classes, marked_calls
 
 GROUPS = ("trainable", "non_trainable")
@@ -132,7 +140,7 @@ def _read(tree: dict[str, Any], key: tuple[str, ...]) -> Any:
     return tree
 
 
-class KerasAdapter(Adapter):
+class KerasAdapter(CollectionNodes, Adapter):
     has_collections = True
     state_includes_variables = True  # stateless_call returns every non-trainable variable
     # A Keras layer's Python attributes (a Dropout's rate, say) may change between calls
@@ -224,19 +232,6 @@ class KerasAdapter(Adapter):
 
         variables = _nested([(keys[id(v)], v.value) for v in obj.variables])
         return NewModule(fn, variables=variables)
-
-    # A new node's variables sit under its name in each group, as a layer's do.
-    def node_of(self, path: tuple[Any, ...]) -> str | None:
-        names = path_names(path)
-        return names[1] if len(names) > 2 else None
-
-    def with_node(self, variables: dict[Any, Any], name: str, node_variables: Any) -> None:
-        for group, values in node_variables.items():
-            if values:
-                variables.setdefault(group, {})[name] = values
-
-    def node_variables(self, variables: Any, name: str, node_variables: Any) -> Any:
-        return {g: variables[g][name] if v else {} for g, v in node_variables.items()}
 
     def variable_names(self, variables: Any) -> set[str]:
         return {str(k) for group in variables.values() for k in group}

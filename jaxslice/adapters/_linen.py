@@ -22,7 +22,15 @@ from .. import _compat
 from .._core.markers import Origin, call_marked, new_record
 from .._errors import UnsupportedTargetError
 from .._trees import key_name, path_names
-from ._base import Adapter, Split, count_by_prefix, keywords_of, leaf_sizes, split_kwargs
+from ._base import (
+    Adapter,
+    CollectionNodes,
+    Split,
+    count_by_prefix,
+    keywords_of,
+    leaf_sizes,
+    split_kwargs,
+)
 
 _SKIPPED_METHODS = frozenset({"setup"})
 
@@ -72,7 +80,7 @@ def _params(variables: Any) -> Any:
     return variables.get("params", {}) if isinstance(variables, Mapping) else {}
 
 
-class LinenAdapter(Adapter):
+class LinenAdapter(CollectionNodes, Adapter):
     has_collections = True
     model_class = ("flax.linen", "Module")
 
@@ -129,17 +137,6 @@ class LinenAdapter(Adapter):
 
     def parameter_counts(self, variables: Any) -> dict[str, int]:
         return count_by_prefix(leaf_sizes(_params(variables)))
-
-    def node_of(self, path: tuple[Any, ...]) -> str | None:
-        names = path_names(path)
-        return names[1] if len(names) > 1 else None
-
-    def with_node(self, variables: dict[Any, Any], name: str, node_variables: Any) -> None:
-        for collection, values in node_variables.items():
-            variables.setdefault(collection, {})[name] = values
-
-    def node_variables(self, variables: Any, name: str, node_variables: Any) -> Any:
-        return {c: variables[c][name] for c in node_variables}
 
     def variable_names(self, variables: Any) -> set[str]:
         params = _params(variables)
