@@ -266,6 +266,16 @@ def _trace_context_flag() -> Any:
 _MARKING_FLAG = _trace_context_flag()
 
 
+def _concrete_array_class() -> Any:
+    # The class of arrays that hold device buffers (`jax.Array` also matches tracers).
+    from jax._src import array
+
+    return array.ArrayImpl
+
+
+CONCRETE_ARRAY = _concrete_array_class()
+
+
 def marking_context() -> Any:
     """Context in which JAX's trace caches are separate from unmarked traces."""
     return _MARKING_FLAG(True) if _MARKING_FLAG is not None else contextlib.nullcontext()

@@ -29,10 +29,11 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
+from ._core.checks import check_mutable
 from ._core.evaluate import BoundaryEvent, Hooks
 from ._core.evaluate import evaluate as evaluate_graph
 from ._core.markers import INPUT, OUTPUT, Origin, is_marking, mark_side, new_record
-from ._core.program import SliceProgram, check_mutable
+from ._core.program import SliceProgram
 from ._edit_nodes import Node, Tables, describe_shapes, same_shapes
 from ._errors import InputMismatchError, InvalidSpecError
 from ._sliced import Sliced
@@ -156,6 +157,16 @@ class EditedAdapter(PlainAdapter):
     def structure_key(self, target: Any) -> Any:
         # The edited model itself (one per traced edit) with what can change under it.
         return (target, target.plan.structure())
+
+    def variables_view(self, target: Any, variables: Any) -> Any:
+        """Where the model's slices read its variables when used (Keras), so does the
+        edited model: the model's current values, with the new nodes' beside them."""
+        plan = target.plan
+        live = self.model.variables_view(plan.target, plan.variables)
+        if live is None:
+            return None
+        paths = {p for p, _ in jax.tree_util.tree_flatten_with_path(variables)[0]}
+        return lambda: prune(dataclasses.replace(plan, variables=live()).edited_variables(), paths)
 
 
 @dataclasses.dataclass(frozen=True)

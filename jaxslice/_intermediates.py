@@ -16,7 +16,8 @@ from ._caches import LRU
 from ._core.program import SliceProgram
 from ._core.trace import trace
 from ._errors import InvalidSpecError
-from ._trees import hashable, nest, tree_key
+from ._fingerprint import model_key
+from ._trees import nest, tree_key
 from .adapters import adapter_for
 
 _PROGRAMS = LRU(maxsize=16)
@@ -40,14 +41,16 @@ def _names(names: Any) -> tuple[str, ...] | None:
 
 def _key(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: Any) -> Any:
     adapter = adapter_for(target)
-    structure = adapter.structure_key(target)
+    model = model_key(target)
+    if model is None:
+        return None
     live = adapter.live_variables(target)
     variables = tree_key(live if live is not None else args[:1])
     inputs = args if live is not None else args[1:]
     key = (
         type(adapter),
-        id(target) if structure is None else structure,
-        hashable(target) if structure is None else None,
+        adapter.structure_key(target),
+        model,
         names,
         variables,
         tree_key((inputs, kwargs)),

@@ -13,10 +13,11 @@ from typing import Any
 import jax
 
 from . import _compat
+from ._core.checks import check_leaves
 from ._core.evaluate import BoundaryEvent, Equation, Hooks
 from ._core.evaluate import evaluate as evaluate_graph
 from ._core.loops import written_out
-from ._core.program import SliceProgram, check_leaves
+from ._core.program import SliceProgram
 from ._errors import VariablesMismatchError
 from ._trees import path_str
 

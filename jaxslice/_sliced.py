@@ -4,7 +4,10 @@ A thin view over the engine (`_core.program.SliceProgram`): linen's calling conv
 (`apply` with `rngs` and `mutable`), the variables round trip (`variables`, `extract`,
 `merge`) and drawing. Variables are passed explicitly, in the same nesting as the
 model's, pruned to what the slice reads; `sub.variables` holds the original arrays (no
-copies).
+copies). For a model that holds variable objects its slices share (Keras,
+`Adapter.variables_view`), `sub.variables` is read from them at each use, so a slice
+computes with the model's current values, as a Keras sub-model sharing the layers does;
+the program then keeps only their shapes.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ class Sliced(ProgramView):
       variables: the model variables the slice reads, with the model's nesting and keys
         (every collection), holding the model's own arrays (not copies: copy them, e.g.
         ``jax.tree.map(jnp.copy, sub.variables)``, before passing them to a function
-        that donates its arguments, or the model loses them too).
+        that donates its arguments, or the model loses them too). For a Keras model,
+        the values its variables hold when `variables` is read (after ``merge``,
+        ``model.fit`` or ``variable.assign``, the new ones); ``sub(x)`` reads them too.
       start: the `start` it was sliced with; end: the `end`.
       build_info: a `BuildInfo`: time spent tracing and planning, equations, and
         whether tracing stopped early.
@@ -38,19 +43,25 @@ class Sliced(ProgramView):
 
     def __init__(self, program: SliceProgram):
         self._program = program
+        # Where the model holds the variables (Keras): read them at each use, and let the
+        # program keep their shapes only, not arrays the model has since replaced.
+        self._view = program.adapter.variables_view(program.target, program.variables)
+        if self._view is not None:
+            program.variables = abstract_tree(program.variables)
 
     def _slice_program(self) -> SliceProgram:
         return self._program
 
     @property
     def variables(self) -> Any:
-        return self._program.variables
+        view = self._view
+        return self._program.variables if view is None else view()
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         if kwargs:
             return self.apply(self.variables, *inputs, **kwargs)
-        program = self._program  # a call costs what a jitted function's call costs
-        return program.call(program.variables, inputs)
+        program, view = self._program, self._view  # the jitted function's call (+ reading)
+        return program.call(program.variables if view is None else view(), inputs)
 
     def apply(
         self, variables: Any, *inputs: Any, rngs: Any = None, mutable: Any = False, **kwargs: Any

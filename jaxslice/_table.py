@@ -22,7 +22,7 @@ import jax
 
 from ._core.graph import Call, Graph
 from ._core.markers import INPUT
-from ._core.ports import Port, arguments_of, array_ids
+from ._core.ports import Port, arguments_of, array_ids, input_leaf_order
 from ._trees import describe_aval, join_name
 
 
@@ -35,7 +35,8 @@ class Boundary:
       module_type: the module's class (or the marked function's name).
       call_index: which call of that module this is, from 0.
       num_calls: how many times the module is called.
-      inputs: shapes and dtypes of the call's array arguments (parameters excluded).
+      inputs: shapes and dtypes of the call's array arguments (parameters excluded):
+        positional ones first, then keywords in the order the call passed them.
       outputs: shapes and dtypes of its output leaves.
       param_count: number of parameter values the module (with its submodules) holds.
       loop: the loop or conditional primitive the call is inside, or None.
@@ -208,14 +209,15 @@ def _port_avals(graph: Graph, call: Call) -> tuple[tuple[jax.ShapeDtypeStruct, .
     iteration; its input's parameters are not told apart from its other arguments)."""
     if call.loop is not None:
         ins, outs = call.loop_avals
-        return _sorted_avals(ins), _sorted_avals(outs)
+        return _ordered_avals(ins, input_leaf_order(call)), _ordered_avals(outs, sorted(outs))
     arguments = arguments_of(graph, Port(call.name, call, INPUT))
     in_ids = [i for a in arguments for i in a.input_ids]
     return _avals(graph, in_ids), _avals(graph, array_ids(call.out_slots))
 
 
-def _sorted_avals(avals: dict[int, Any]) -> tuple[jax.ShapeDtypeStruct, ...]:
-    return tuple(jax.ShapeDtypeStruct(avals[k].shape, avals[k].dtype) for k in sorted(avals))
+def _ordered_avals(avals: dict[int, Any], order: list[int]) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The avals of the leaves in `avals` (``{leaf: aval}``), in the order of `order`."""
+    return tuple(jax.ShapeDtypeStruct(avals[k].shape, avals[k].dtype) for k in order if k in avals)
 
 
 def _is_parameter(path: tuple[Any, ...], linen_style: bool) -> bool:

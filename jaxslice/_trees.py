@@ -25,10 +25,17 @@ def is_traced_leaf(x: Any) -> bool:
 
 
 def abstract(x: Any) -> Any:
-    """A leaf's shape and dtype (for signatures); other leaves stand for themselves."""
+    """A leaf's shape, dtype and weak type (for signatures); other leaves stand for
+    themselves."""
     if is_traced_leaf(x):
-        return jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype)
+        return jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype, weak_type=is_weak(x))
     return x
+
+
+def is_weak(x: Any) -> bool:
+    """Whether an array is weakly typed (made from a Python scalar: it takes the dtype of
+    what it meets, so a program traced with it computes in other dtypes)."""
+    return bool(getattr(x, "weak_type", False))
 
 
 def abstract_tree(tree: Any) -> Any:
@@ -36,9 +43,13 @@ def abstract_tree(tree: Any) -> Any:
 
 
 def shape_key(x: Any) -> Any:
-    """A hashable stand-in for a leaf in a cache key: ``(shape, dtype)`` or the leaf."""
+    """A hashable stand-in for a leaf in a cache key: ``(shape, dtype, weak type)``, a
+    Python number with its type (``1``, ``1.0`` and ``True`` trace different programs),
+    or the leaf."""
     if is_traced_leaf(x):
-        return tuple(jax.numpy.shape(x)), str(x.dtype)
+        return tuple(jax.numpy.shape(x)), str(x.dtype), is_weak(x)
+    if isinstance(x, (bool, int, float, complex)):
+        return type(x), x
     return hashable(x)
 
 

@@ -86,6 +86,28 @@ def computable(
     return done
 
 
+def parameter_values(
+    program: Program, variables: Collection[int], is_free: Callable[[int], bool]
+) -> set[int]:
+    """The values computed from `variables` and other free values alone (a row of a
+    stacked parameter, ``w * 2``): parameters too, never a slice's inputs.
+
+    A value computed from free values none of which is a variable (a constant folded
+    by hand) is not one: its equation reads no parameter.
+
+    >>> sorted(parameter_values([((5,), (1,)), ((1, 0), (2,)), ((6,), (3,))], {5},
+    ...                         lambda v: v in (5, 6)))
+    [1]
+    """
+    found: set[int] = set()
+    sources = set(variables)
+    for ins, outs in program:
+        if any(v in sources for v in ins) and _all_in(ins, sources, is_free):
+            found.update(outs)
+            sources.update(outs)
+    return found
+
+
 def frontier(
     program: Program,
     producer: Mapping[int, int],

@@ -26,7 +26,7 @@ import jax
 
 from .. import _compat
 from .graph import Call, Eqn, Graph, LoopSite, Region, Slot
-from .markers import INPUT, PLACEHOLDER, CallRecord, Marker, Origin
+from .markers import INPUT, OUTPUT, PLACEHOLDER, CallRecord, Marker, Origin
 from .names import shown, slot, unslotted
 from .ports import array_ids
 
@@ -43,6 +43,37 @@ class Signature:
     out_tree: Any
     out_statics: dict[int, Any]
     state_paths: Sequence[tuple[Any, ...]] = ()
+
+
+ROWS = "rows"
+
+
+@dataclasses.dataclass(frozen=True)
+class RowMark:
+    """The payload of a marker `loops.expand` binds for updated state stacked over the
+    iterations of a loop it runs in pieces (a `BatchNorm`'s statistics in every layer).
+
+    `kind` "start" or "stop" (on a placeholder) is where the equations of piece `piece`
+    (a number, in row order) of loop `loop` start or stop; `written` says whether that
+    piece is one iteration written out. `kind` ``ROWS`` is on the value of state entry
+    `state` with the rows of pieces ``piece = (first, last)`` new and the others as they
+    were; there, `loop` lists the pieces ``(loop, piece)`` in row order (the innermost
+    ones, where an iteration written out runs an inner loop in pieces).
+    """
+
+    loop: Any
+    kind: str
+    piece: Any
+    state: int | None = None
+    written: bool = False
+
+
+@dataclasses.dataclass
+class StackedState:
+    """An updated state entry stacked over a loop that runs in pieces."""
+
+    pieces: list[tuple[int, int, bool]]  # per piece: its equations (start, stop), written
+    rows: dict[tuple[int, int], int]  # (first, last) piece -> the value with their rows new
 
 
 @dataclasses.dataclass
@@ -90,6 +121,7 @@ class _Builder:
         self.boundaries = BoundaryIndex(scopes)
         # Scope regions inside loop bodies: listed, but not sliceable (one per iteration).
         self.loop_scopes: dict[tuple[str, ...], tuple[int, LoopSite]] = {}
+        self.row_marks: list[tuple[RowMark, int, int | None]] = []  # (mark, position, value)
 
     def read(self, env: dict[Any, int], atom: Any) -> int:
         if _compat.is_literal(atom):
@@ -100,6 +132,10 @@ class _Builder:
         for eqn in jaxpr.eqns:
             scopes = prefix + _compat.eqn_scopes(eqn)
             marker = _compat.marker_payload(eqn)
+            if isinstance(marker, RowMark):
+                vid = self.read(env, eqn.invars[0]) if marker.kind == ROWS else None
+                self.row_marks.append((marker, len(self.g.eqns), vid))
+                continue
             if marker is not None:
                 self._occur(marker, env, eqn, scopes)
                 continue
@@ -207,6 +243,7 @@ def build(closed_jaxpr: Any, signature: Signature, *, name_scopes: bool = False)
     _bind_outvars(b, jaxpr.outvars, env, signature)
     g = b.g
     g.source = (closed_jaxpr, signature, name_scopes)
+    g.stacked_state = _stacked_state(b.row_marks)
     g.calls = _whole_loops(g, _calls_from_markers(b.occurrences))
     _vmapped_results(g)
     if name_scopes:
@@ -241,6 +278,24 @@ def _bind_outvars(b: _Builder, outvars: Sequence[Any], env: dict[Any, int], sig:
     g.state_ids = [b.read(env, v) for v in outs]
     if len(g.state_ids) != len(g.state_paths):
         raise AssertionError("the traced program returned state of an unexpected size")
+
+
+def _stacked_state(marks: list[tuple[RowMark, int, int | None]]) -> dict[int, StackedState]:
+    """``{state position: StackedState}`` from the marks `loops.expand` bound."""
+    spans: dict[tuple[int, int], dict[str, Any]] = {}
+    rows: dict[int, tuple[Any, dict[tuple[int, int], int]]] = {}
+    for mark, pos, vid in marks:
+        if mark.kind == ROWS:
+            rows.setdefault(mark.state, (mark.loop, {}))[1][mark.piece] = vid
+        else:
+            spans.setdefault((mark.loop, mark.piece), {}).update(
+                {mark.kind: pos, "written": mark.written}
+            )
+    found = {}
+    for k, (leaves, values) in rows.items():
+        pieces = [spans[leaf] for leaf in leaves]
+        found[k] = StackedState([(p["start"], p["stop"], p["written"]) for p in pieces], values)
+    return found
 
 
 # --------------------------------------------------------------------------- calls
@@ -435,7 +490,7 @@ def _caller_ports(eqn: Any, record: CallRecord) -> tuple[dict, dict] | None:
     """For a call made once per iteration directly in a scan body: ``({input leaf: loop
     operand}, {output leaf: loop result})``, or None where a leaf is not one of them."""
     found = body_ports(_compat.scan_parts(eqn).jaxpr).get(id(record))
-    return None if found is None else (found[1][INPUT], found[1]["output"])
+    return None if found is None else (found[1][INPUT], found[1][OUTPUT])
 
 
 def body_ports(body: Any) -> dict[int, tuple[CallRecord, dict[str, dict[int, int]]]]:
@@ -445,8 +500,15 @@ def body_ports(body: Any) -> dict[int, tuple[CallRecord, dict[str, dict[int, int
 
     Returns ``{id(record): (record, {side: {leaf: position}})}``, the position of each
     input leaf among the body's invars and of each output leaf among its outvars.
+
+    One value may be several results of a body: an RNN cell returns its new carry as
+    its output too (``return c, c``), and the loop returns it once as the carry and once
+    stacked. The output leaves of a call take such a value's positions in their own
+    order, each a position no earlier leaf of that call took, so the caller's view of
+    the loop (`_loop_as_call`) gets the carry for the one and the stacked results for
+    the other.
     """
-    places = {INPUT: _positions(body.invars), "output": _positions(body.outvars)}
+    places = {INPUT: _positions(body.invars), OUTPUT: _positions(body.outvars)}
     found: dict[int, tuple[CallRecord, dict[str, dict[int, int]]]] = {}
     refused: set[int] = set()
     _walk_ports(body, places, found, refused)
@@ -464,9 +526,10 @@ def _walk_ports(jaxpr: Any, places: dict[str, dict], found: dict, refused: set[i
         if marker.leaf == PLACEHOLDER:
             continue
         record, ports = found.setdefault(
-            id(marker.record), (marker.record, {INPUT: {}, "output": {}})
+            id(marker.record), (marker.record, {INPUT: {}, OUTPUT: {}})
         )
-        j = _position(inner.invars[0], places[marker.side])
+        taken = ports[marker.side].values() if marker.side == OUTPUT else ()
+        j = _position(inner.invars[0], places[marker.side], taken)
         if j is None or marker.leaf in ports[marker.side]:
             refused.add(id(record))
         ports[marker.side][marker.leaf] = j
@@ -474,38 +537,42 @@ def _walk_ports(jaxpr: Any, places: dict[str, dict], found: dict, refused: set[i
 
 def _inner_places(places: dict[str, dict], eqn: Any, body: Any) -> dict[str, dict]:
     """`places` seen from inside a call-like equation's body: its parameters and results
-    stand for the equation's operands and results."""
+    stand for the equation's operands and results (a body's result returned at several
+    places stands for all of them, in order)."""
 
     def through(outer: Sequence[Any], inner: Sequence[Any], known: dict) -> dict:
-        pairs = zip(outer, inner, strict=True)
-        return {
-            i: known[o]
-            for o, i in pairs
-            if not _compat.is_literal(i) and _position(o, known) is not None
-        }
+        out: dict[Any, tuple[int, ...]] = {}
+        for o, i in zip(outer, inner, strict=True):
+            if not _compat.is_literal(i) and not _compat.is_literal(o) and o in known:
+                out[i] = out.get(i, ()) + known[o]
+        return out
 
     return {
         INPUT: through(eqn.invars, body.invars, places[INPUT]),
-        "output": through(eqn.outvars, body.outvars, places["output"]),
+        OUTPUT: through(eqn.outvars, body.outvars, places[OUTPUT]),
     }
 
 
-def _position(atom: Any, places: dict[Any, int]) -> int | None:
-    return None if _compat.is_literal(atom) else places.get(atom)
+def _position(atom: Any, places: dict[Any, tuple[int, ...]], taken: Any = ()) -> int | None:
+    """The first of `atom`'s positions not `taken` (its first one if all are), or None."""
+    if _compat.is_literal(atom) or atom not in places:
+        return None
+    held = places[atom]
+    return next((j for j in held if j not in taken), held[0])
 
 
-def _positions(atoms: Sequence[Any]) -> dict[Any, int]:
-    """The first position of each variable among `atoms`."""
-    out: dict[Any, int] = {}
+def _positions(atoms: Sequence[Any]) -> dict[Any, tuple[int, ...]]:
+    """The positions of each variable among `atoms`, in order."""
+    out: dict[Any, tuple[int, ...]] = {}
     for j, v in enumerate(atoms):
         if not _compat.is_literal(v):
-            out.setdefault(v, j)
+            out[v] = out.get(v, ()) + (j,)
     return out
 
 
 def _complete(record: CallRecord, ports: dict[str, dict[int, int]]) -> bool:
     """Whether every array leaf of both sides has a position."""
-    return len(ports[INPUT]) == sum(record.in_is_array) and len(ports["output"]) == sum(
+    return len(ports[INPUT]) == sum(record.in_is_array) and len(ports[OUTPUT]) == sum(
         record.out_is_array
     )
 

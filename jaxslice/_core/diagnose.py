@@ -7,7 +7,7 @@ that suggests new starts is verified first: following it must give a working sli
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import jax
@@ -83,19 +83,23 @@ def check_connected(
     result: analysis.Cut,
     starts: tuple[Port, ...],
     ends: Any,
+    params: Container[int] = frozenset(),
 ) -> None:
-    """Every end depends on a start, and every start is used by an end."""
+    """Every end depends on a start, and every start is used by an end (`params`: values
+    that are parameters, which no port takes or yields as an input)."""
     input_ids = {i for a in arguments for i in a.input_ids}
     for port in flat_ports(ends):
-        ids = _value_ids(graph, port)
+        ids = _value_ids(graph, port, params)
         if ids and not graph.cut(input_ids, ids).used_starts:
             what = _not_dependent(port, starts)
             raise DisconnectedError(DisconnectedError.TEMPLATE.format(what=what))
     _check_used(arguments, result, starts, ends)
 
 
-def _value_ids(graph: Graph, port: Port) -> list[int]:
+def _value_ids(graph: Graph, port: Port, params: Container[int]) -> list[int]:
     """The array values an end port yields."""
+    if port.side == INPUT:
+        return [i for a in arguments_of(graph, port, params) for i in a.input_ids]
     slots = jax.tree_util.tree_leaves(port_value_tree(graph, port))
     return [s.id for s in slots if s.id is not None]
 
@@ -151,6 +155,7 @@ def raise_missing(
     starts: tuple[Port, ...] | None,
     ends: list[Port],
     works: Callable[[list[Any]], bool],
+    params: Container[int] = frozenset(),
 ) -> None:
     """Raises `MissingInputError` naming the values to add to `start`.
 
@@ -161,7 +166,8 @@ def raise_missing(
     found = graph.frontier(input_ids, output_ids, marks.__contains__)
     labels = _missing_labels(graph, found, marks)
     what = [_describe(label, avals) for label, avals in labels.items()]
-    fix = next((c for c in _fixes(graph, starts, labels, marks, found) if works(c)), None)
+    fixes = _fixes(graph, starts, labels, marks, found, params)
+    fix = next((c for c in fixes if works(c)), None)
     raise MissingInputError(
         MissingInputError.TEMPLATE.format(
             start=_labels(starts) if starts else "the model's inputs",
@@ -182,14 +188,19 @@ def _fix_text(fix: list[Any] | None) -> str:
 
 
 def _fixes(
-    graph: Graph, starts: tuple[Port, ...] | None, labels: dict, marks: dict, found: list[int]
+    graph: Graph,
+    starts: tuple[Port, ...] | None,
+    labels: dict,
+    marks: dict,
+    found: list[int],
+    params: Container[int],
 ) -> list[list[Any]]:
     """Candidate starts: the current ones plus the missing values' ports, and the same
     without current starts whose inputs those ports already provide (a block's input that
     is part of the previous block's output)."""
     current = list(starts or ())
     additions = [_as_start(label) for label in labels]
-    kept = _not_provided(graph, current, _provided(found, marks))
+    kept = _not_provided(graph, current, _provided(found, marks), params)
     candidates = [_specs(current) + additions, _specs(kept) + additions]
     if current and _derived_only(graph, found):
         candidates.insert(0, [*_specs(current), None])
@@ -201,8 +212,10 @@ def _provided(found: list[int], marks: dict) -> set[int]:
     return {s.id for v in found if v in marks for s in _port_slots(*marks[v])}
 
 
-def _not_provided(graph: Graph, ports: list[Port], provided: set[int]) -> list[Port]:
-    return [p for p in ports if not _start_values(graph, p) <= provided]
+def _not_provided(
+    graph: Graph, ports: list[Port], provided: set[int], params: Container[int]
+) -> list[Port]:
+    return [p for p in ports if not _start_values(graph, p, params) <= provided]
 
 
 def _specs(ports: list[Port]) -> list[Any]:
@@ -223,8 +236,8 @@ def _port_slots(call: Call, side: str) -> list[Any]:
     return call.out_slots if side == OUTPUT else call.in_slots
 
 
-def _start_values(graph: Graph, port: Port) -> set[int]:
-    return {i for a in arguments_of(graph, port) for i in a.input_ids}
+def _start_values(graph: Graph, port: Port, params: Container[int]) -> set[int]:
+    return {i for a in arguments_of(graph, port, params) for i in a.input_ids}
 
 
 def _missing_labels(graph: Graph, found: list[int], marks: dict) -> dict[str | None, list[Any]]:

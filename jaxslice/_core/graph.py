@@ -178,6 +178,9 @@ class Graph:
     source: Any = None
     # Names that resolve to a call directly: per-iteration names in an expanded graph.
     aliases: dict[tuple[str, int | None], Call] = dataclasses.field(default_factory=dict)
+    # In a graph with loops written out in pieces: state stacked over a loop's iterations,
+    # ``{state position: build.StackedState}`` (which value has which pieces' rows new).
+    stacked_state: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     def new_value(self, aval: Any) -> int:
         self.avals.append(aval)

@@ -7,12 +7,13 @@ leaf. The call itself receives and returns exactly the objects it would without 
 (same values, same containers, same identities), and nothing downstream reads the
 markers, so they never change what is computed and are absent from re-emitted programs.
 
-A `CallRecord` holds what the jaxpr cannot: the module path, method, type and the pytree
-structure of both sides. It travels inside the marker equations themselves, so it lives
-exactly as long as the traced program (also in JAX's jit caches). Call order and call
-indices are *not* taken from the order of the Python calls, but from where the markers
-end up in the final program, so a function traced twice (by `jax.checkpoint`, say) or
-reused from JAX's jit cache still yields one boundary per call that actually happens.
+A `CallRecord` holds what the jaxpr cannot: the module path, method, type, the pytree
+structure of both sides and the order of the call's keywords. It travels inside the
+marker equations themselves, so it lives exactly as long as the traced program (also in
+JAX's jit caches). Call order and call indices are *not* taken from the order of the
+Python calls, but from where the markers end up in the final program, so a function
+traced twice (by `jax.checkpoint`, say) or reused from JAX's jit cache still yields one
+boundary per call that actually happens.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class CallRecord:
     module_type: str
     in_tree: Any = None
     in_is_array: tuple[bool, ...] = ()
+    # The call's keywords in the order it passed them: `in_tree` cannot keep it, as JAX
+    # flattens a dict with its keys sorted (``block(x, mask=m, bias=b)`` as bias, mask).
+    in_keywords: tuple[str, ...] = ()
     out_tree: Any = None
     out_is_array: tuple[bool, ...] = ()
     out_statics: dict[int, Any] = dataclasses.field(default_factory=dict)
@@ -139,9 +143,8 @@ def marking(rule: StopRule | None = None) -> Iterator[list[str]]:
         rule.top = _compat.current_trace()
     failed: list[str] = []
     tokens = (_ACTIVE.set(True), _STOP.set(rule), _FAILED_IN.set(failed))
-    separate = _compat.marking_context() if _MARKED_FUNCTIONS["count"] else contextlib.nullcontext()
     try:
-        with separate:
+        with _compat.marking_context():
             yield failed
     finally:
         _FAILED_IN.reset(tokens[2])
@@ -149,18 +152,12 @@ def marking(rule: StopRule | None = None) -> Iterator[list[str]]:
         _ACTIVE.reset(tokens[0])
 
 
-# How many functions `js.mark` has wrapped in this process. A marked function may sit in
-# a `jax.jit`-ed function that JAX reuses from its cache, traced before without markers;
-# only then are jaxslice's traces kept apart from JAX's caches (`_compat.marking_context`),
-# which costs re-tracing JAX's own jitted helpers once per process and shape. Module calls
-# need no such care: every kind marks them in Python at each trace (a jitted function that
-# holds a module call is made per call, or keyed by structures the marking changes).
-_MARKED_FUNCTIONS = {"count": 0}
-
-
-def note_marked_function() -> None:
-    """Called by `js.mark` for every function it wraps."""
-    _MARKED_FUNCTIONS["count"] += 1
+# Every marked trace runs with a JAX flag that is part of JAX's trace context
+# (`_compat.marking_context`), so `jax.jit`'s caches keep jaxslice's traces apart from
+# the model's own: a jitted function the user traced before (`nn.jit` with a static
+# `self`, a jitted helper around a `js.mark`ed function) is traced again with markers,
+# and a plain call after a slice never reuses a marked trace. The cost is tracing JAX's
+# own jitted helpers once more per process and shape.
 
 
 def is_marking() -> bool:
@@ -180,6 +177,7 @@ def mark_side(record: CallRecord, side: str, tree: Any) -> None:
     is_arr = tuple(is_array(leaf) for leaf in leaves)
     if side == INPUT:
         record.in_tree, record.in_is_array = treedef, is_arr
+        record.in_keywords = tuple(tree[1])
     else:
         record.out_tree, record.out_is_array = treedef, is_arr
         record.out_statics = {

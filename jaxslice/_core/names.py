@@ -23,6 +23,7 @@ from .._errors import (
     AmbiguousBoundaryError,
     BoundaryInLoopError,
     InvalidSpecError,
+    SliceError,
     UnknownBoundaryError,
 )
 from .graph import Call, Graph
@@ -116,6 +117,15 @@ class LoopRef:
     call: Call  # the call as listed in the traced graph (its template)
     path: tuple[int | str, ...]  # per enclosing scan, outermost first: an iteration or ":"
     side: str
+    # The loop around `call` as a whole (a lifted module inside another scan's body,
+    # ``outer[2]/inner``): `path` then has no slot for that loop.
+    whole: bool = False
+
+    @property
+    def sites(self) -> list[Any]:
+        """The loops whose iterations `path` picks, outermost first."""
+        chain = self.call.loop.chain()
+        return chain[:-1] if self.whole else chain
 
     @property
     def key(self) -> tuple[int, tuple[int | str, ...]]:
@@ -123,6 +133,11 @@ class LoopRef:
         return (id(self.call.record), self.path)
 
 
+MIXED = (
+    "{whole!r} is a scanned module as a whole and {one!r} one of its iterations; one slice "
+    "cannot name both. Name the loop's ends by iteration instead: {first!r} for its input "
+    "and {last!r} for its result."
+)
 STACKED_START = (
     "{spec!r} stacks the values of every iteration, so it can end a slice (or be read with "
     "js.intermediates) but not start one. Start at one iteration, e.g. {example!r}."
@@ -149,11 +164,15 @@ class Resolver:
         self.graph = graph
         self.by_name: dict[str, list[Call]] = {}
         self.by_parts: dict[tuple[str, ...], list[Call]] = {}
+        self.by_whole: dict[tuple[str, ...], list[Call]] = {}  # see `lifted_template`
         for call in graph.calls:
             self.by_name.setdefault(call.name, []).append(call)
             if call.template is not None:
                 parts = _template_parts(call.template)
                 self.by_parts.setdefault(parts, []).append(call)
+                whole = lifted_template(call)
+                if whole is not None:
+                    self.by_whole.setdefault(_template_parts(whole), []).append(call)
 
     def all_names(self) -> list[str]:
         names = []
@@ -194,17 +213,19 @@ class Resolver:
         if not given:
             return None
         calls = self.by_parts.get(parts)
+        whole = not calls and parts in self.by_whole
+        calls = self.by_whole[parts] if whole else calls
         if not calls:
             raise UnknownBoundaryError(
                 UnknownBoundaryError.TEMPLATE.format(name=spec, hint=self._hint(base))
             )
         call = self._pick_among(spec, calls, index)
-        path = self._iterations(spec, call, given)
+        path = self._iterations(spec, call, given, whole)
         side = port or default_port
         if STACKED in path and side == INPUT and default_port == INPUT:
             example = spec.replace("[:]", "[0]")
             raise InvalidSpecError(STACKED_START.format(spec=spec, example=example))
-        return LoopRef(spec, call, path, side)
+        return LoopRef(spec, call, path, side, whole)
 
     def _pick_among(self, spec: str, calls: list[Call], index: int | None) -> Call:
         if index is None:
@@ -216,10 +237,15 @@ class Resolver:
             )
         return calls[index]
 
-    def _iterations(self, spec: str, call: Call, given: tuple[str, ...]) -> tuple[Any, ...]:
-        """The iteration picked in each enclosing scan, outermost first."""
-        depths = slot_depths(call.template or "")
+    def _iterations(
+        self, spec: str, call: Call, given: tuple[str, ...], whole: bool = False
+    ) -> tuple[Any, ...]:
+        """The iteration picked in each enclosing scan, outermost first (all but the
+        innermost for a loop as a whole)."""
+        template = (lifted_template(call) if whole else call.template) or ""
+        depths = slot_depths(template)
         sites = call.loop.chain() if call.loop is not None else []
+        sites = sites[:-1] if whole else sites
         if len(given) != len(depths):
             raise InvalidSpecError(
                 SLOTS.format(spec=spec, given=len(given), name=call.name, count=len(depths))
@@ -231,6 +257,29 @@ class Resolver:
         for text, depth in zip(given, depths, strict=True):
             path[depth] = _iteration(spec, text, sites[depth])
         return tuple(path)
+
+    def check_wholes(self, specs: list[Any], refs: list[LoopRef]) -> None:
+        """A lifted module as a whole cannot be named with one of its own iterations (the
+        loop is written out in pieces, so it is no longer one call)."""
+        split = {id(ref.call.loop.chain()[0].eqn): ref for ref in refs}
+        for spec in specs:
+            loop = self._lifted_loop(spec)
+            ref = split.get(id(loop.eqn)) if loop is not None else None
+            if ref is not None:
+                base = parse(spec)[0]
+                first, last = f"{base}[0]:input", f"{base}[-1]:output"
+                raise SliceError(MIXED.format(whole=spec, one=ref.spec, first=first, last=last))
+
+    def _lifted_loop(self, spec: Any) -> Any:
+        """The loop a name of a lifted module as a whole stands for, or None."""
+        try:
+            whole, _ = self.resolve(spec, OUTPUT)
+        except SliceError:  # not a name of a call (None, or wrong: reported when planning)
+            return None
+        if whole.loop is not None or whole.record is None:
+            return None
+        body = next((c for c in self.graph.calls if c.record is whole.record and c.loop), None)
+        return body.loop.chain()[0] if body is not None else None
 
     def _check_literal(self, spec: str, base: str) -> None:
         """A name that is also, written literally, a module's own name is ambiguous,
@@ -339,6 +388,22 @@ SCOPE_IN_SCAN = (
     "iteration. Wrap that code in `js.mark(name)` to name each iteration (`name[k]`), or "
     "slice at the enclosing module{outer}."
 )
+
+
+def lifted_template(call: Call) -> str | None:
+    """The template name of the loop around `call` as a whole, when that loop is a
+    module lifted inside another scan's body (``outer[:]/inner`` for linen's
+    ``nn.scan(Inner)`` called in each iteration of ``nn.scan(Cell)``): the module the
+    inner loop's body calls, under the module path that its variables are keyed by,
+    with its own iteration slot last. None for other calls (a top-level lifted module
+    is a call of the traced graph itself)."""
+    loop, template = call.loop, call.template
+    if loop is None or loop.parent is None or template is None or not call.is_module:
+        return None
+    last = slot(loop.depth)
+    if not template.endswith(last) or unslotted(template) != call.record.name:
+        return None
+    return template[: -len(last)]
 
 
 def _template_parts(template: str) -> tuple[str, ...]:

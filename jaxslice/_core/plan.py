@@ -16,10 +16,10 @@ import jax
 
 from .. import _compat
 from .._errors import SliceError
-from .._trees import key_name
-from . import analysis, diagnose, loops
+from .._trees import key_name, path_str
+from . import analysis, diagnose
 from .graph import Graph
-from .markers import INPUT
+from .markers import INPUT, OUTPUT
 from .names import Resolver
 from .ports import (
     Argument,
@@ -68,7 +68,9 @@ def plan(
     if p.cut.missing:
         works = lambda specs: _plannable(graph, specs, end)  # noqa: E731
         ends = flat_ports(p.ends)
-        diagnose.raise_missing(graph, p.input_ids, p.output_ids, p.starts, ends, works)
+        diagnose.raise_missing(
+            graph, p.input_ids, p.output_ids, p.starts, ends, works, parameters(graph)
+        )
     whole = p.starts is None and isinstance(p.ends, Port) and p.ends.spec is None
     own = slice_state(graph, p.cut, p.input_ids, whole, rules) if graph.state_paths else []
     state = _wanted(own, mutable)
@@ -93,18 +95,37 @@ def _frame(graph: Graph, start: Any, end: Any, suggest: bool = True) -> Plan:
     resolver = Resolver(graph)
     starts = resolve_starts(graph, resolver, start)
     start_ports = starts or (Port(None, graph.model_input_call(), INPUT),)
+    params = parameters(graph)
     fixed = _recomputed(graph, start_ports)
-    arguments = tuple(a for p in start_ports for a in _taken(graph, p, fixed))
+    arguments = tuple(a for p in start_ports for a in _taken(graph, p, fixed, params))
     works = (lambda specs: _plannable(graph, specs, end)) if suggest else (lambda specs: False)
     diagnose.check_inputs(graph, arguments, works)
     ends = resolve_ends(graph, resolver, end)
-    output_trees = map_ports(lambda p: port_value_tree(graph, p), ends)
+    output_trees = map_ports(lambda p: end_tree(graph, p, params), ends)
     output_ids = tuple(s.id for s in _slots(output_trees) if s.id is not None)
     input_ids = tuple(i for a in arguments for i in a.input_ids)
     result = graph.cut(input_ids, output_ids)
     if starts is not None:
-        diagnose.check_connected(graph, arguments, result, starts, ends)
+        diagnose.check_connected(graph, arguments, result, starts, ends, params)
     return Plan(starts, ends, arguments, input_ids, output_trees, output_ids, result, (), (), ())
+
+
+def parameters(graph: Graph) -> frozenset[int]:
+    """Values a port never takes or yields as an input: the variables, and what the
+    model computes from them alone (the row of a stacked parameter that a scan body
+    passes to a call, ``w * 2``). A slice computes those from its own variables."""
+    found = analysis.parameter_values(graph.program, graph.variable_ids, graph.is_free)
+    return frozenset(found)
+
+
+def end_tree(graph: Graph, port: Port, params: frozenset[int]) -> Any:
+    """`ports.port_value_tree` without `params`: an input port as an end yields its
+    array arguments that are not parameters, as a start takes them."""
+    if port.side == OUTPUT:
+        return port_value_tree(graph, port)
+    found = arguments_of(graph, port, params, call_order=False)
+    trees = [a.slot_tree() for a in found]
+    return trees[0] if len(trees) == 1 else tuple(trees)
 
 
 def _recomputed(graph: Graph, ports: tuple[Port, ...]) -> frozenset[int]:
@@ -116,11 +137,12 @@ def _recomputed(graph: Graph, ports: tuple[Port, ...]) -> frozenset[int]:
     return graph.derived_from_inputs()
 
 
-def _taken(graph: Graph, port: Port, fixed: frozenset[int]) -> list[Any]:
-    """The arguments a start port contributes: all of them when the slice would compute
-    every one of its values again (a start the user names is never dropped whole)."""
-    found = arguments_of(graph, port, fixed)
-    return found if found or port.spec is None else arguments_of(graph, port)
+def _taken(graph: Graph, port: Port, fixed: frozenset[int], params: frozenset[int]) -> list[Any]:
+    """The arguments a start port contributes: all but parameters when the slice would
+    compute every one of its values again (a start the user names is never dropped
+    whole, unless it takes parameters alone)."""
+    found = arguments_of(graph, port, fixed | params)
+    return found if found or port.spec is None else arguments_of(graph, port, params)
 
 
 def _plannable(graph: Graph, specs: list[Any], end: Any) -> bool:
@@ -186,7 +208,7 @@ def _check_given(program: Sequence[Any], given: Sequence[int], outputs: Sequence
     for e in program:
         mine = _positions(e.outs, lambda v: v in given_set)
         others = _positions(e.outs, lambda v: v not in given_set and v in needed)
-        if mine and others and loops.results_depend(e.jax_eqn, mine, others):
+        if mine and others and results_depend(e.jax_eqn, mine, others):
             what = GIVEN_AND_COMPUTED.format(primitive=e.primitive, given=mine, others=others)
             raise SliceError(what)
 
@@ -230,18 +252,26 @@ def slice_state(
     that call changes it. State of the top-level module itself belongs only to a slice
     of the whole model (from its inputs to its output). State of modules outside the
     slice is not returned, so merging it back leaves them untouched.
+
+    State stacked over the iterations of a loop the slice runs in pieces belongs when
+    the slice runs some of its rows: it is the whole stacked array, with the rows of
+    the pieces the slice runs new and the others as they were (`_stacked_rows`).
     """
     if rules is None:
         return []
     computable = analysis.computable(graph.program, input_ids, graph.is_free)
-    participating, nested, modules = _participating_modules(graph, result, computable)
+    taking = _participating_modules(graph, result, computable)
+    stacked = graph.stacked_state
     variables = graph.variable_set
     chosen = []
-    for path, vid in zip(graph.state_paths, graph.state_ids, strict=True):
-        owner = analysis.owner(rules.owner(path), modules)
+    for k, (path, vid) in enumerate(zip(graph.state_paths, graph.state_ids, strict=True)):
+        owner = analysis.owner(rules.owner(path), taking.modules)
+        if k in stacked:
+            vid = _stacked_rows(stacked[k], owner, result, taking.calls, path)
+            belongs = vid is not None
+        else:
+            belongs = whole if owner is None else taking.runs(owner, vid in variables)
         unchanged = vid in variables
-        runs = owner in participating or (owner in nested and not unchanged)
-        belongs = whole if owner is None else runs
         # Nothing to write back, or its final value comes from outside the slice:
         skip = (unchanged and rules.includes_variables) or not (unchanged or vid in computable)
         if belongs and not skip:
@@ -249,9 +279,67 @@ def slice_state(
     return chosen
 
 
+STATE_GAPS = (
+    "The slice runs some iterations of a loop but not those between them ({ran} of its "
+    "pieces), so the state {path} that the loop updates, stacked over its iterations, "
+    "cannot be returned as one array with only those rows new. Make one slice per run of "
+    "consecutive iterations, or slice the model in a mode that updates no state (e.g. "
+    "train=False)."
+)
+
+
+def _stacked_rows(
+    entry: Any, owner: Any, result: analysis.Cut, active: Sequence[Any], path: Any
+) -> int | None:
+    """The value of a stacked state entry with the rows of the pieces the slice runs
+    new, or None where it runs none.
+
+    A piece that is a scan runs when the slice computes it; an iteration written out
+    runs for the entry when the entry's module is called in it and that call takes part
+    in the slice (a slice that ends inside an iteration, before that module, leaves the
+    iteration's row as it was).
+    """
+    eqns = set(result.eqns)
+    ran = [i for i, piece in enumerate(entry.pieces) if _piece_runs(piece, owner, eqns, active)]
+    if not ran:
+        return None
+    found = entry.rows.get((ran[0], ran[-1]))
+    if found is None or len(ran) != ran[-1] - ran[0] + 1:
+        raise SliceError(STATE_GAPS.format(ran=ran, path=path_str(path)))
+    return found
+
+
+def _piece_runs(piece: tuple[int, int, bool], owner: Any, eqns: set[int], active: Any) -> bool:
+    start, stop, written = piece
+    if not any(i in eqns for i in range(start, stop)):
+        return False
+    return not written or any(
+        c.path == owner and start <= c.start and c.stop <= stop for c in active
+    )
+
+
+@dataclasses.dataclass
+class _Taking:
+    """The module calls that take part in a slice, by path and as calls."""
+
+    participating: set[Any]  # paths of calls with equations in the cut
+    nested: set[Any]  # paths of calls inside a call the slice runs whole
+    modules: set[Any]  # paths of all module calls
+    calls: list[Any]  # the calls that are either
+
+    @classmethod
+    def of(cls, calls: list[Any], taking: list[Any], nested: list[Any]) -> _Taking:
+        paths = lambda found: {c.path for c in found}  # noqa: E731
+        return cls(paths(taking), paths(nested), paths(calls), [*taking, *nested])
+
+    def runs(self, owner: Any, unchanged: bool) -> bool:
+        """Whether state of `owner` changes in the slice (as far as calls tell)."""
+        return owner in self.participating or (owner in self.nested and not unchanged)
+
+
 def _participating_modules(
     graph: Graph, result: analysis.Cut, computable: Container[int]
-) -> tuple[set[Any], set[Any], set[Any]]:
+) -> _Taking:
     """Paths of the modules with a call that has equations in the cut, of those called
     inside a call the slice runs whole, and of all modules.
 
@@ -267,9 +355,8 @@ def _participating_modules(
     taking = [c for c, yes in zip(calls, taking_part, strict=True) if yes]
     whole = [c for c in taking if _runs_whole(c, made, computable)]
     inside = _inside(calls, whole, len(graph.eqns))
-    participating = {c.path for c in taking}
-    nested = {c.path for c, yes in zip(calls, inside, strict=True) if yes}
-    return participating, nested, {c.path for c in calls}
+    nested = [c for c, yes in zip(calls, inside, strict=True) if yes]
+    return _Taking.of(calls, taking, nested)
 
 
 def _runs_whole(call: Any, made: set[int], computable: Container[int]) -> bool:
@@ -298,3 +385,32 @@ def _inside(calls: list[Any], outer: list[Any], size: int) -> list[bool]:
     for i in range(size):
         depth[i + 1] += depth[i]
     return [c.start < c.stop and depth[c.start] > 0 for c in calls]
+
+
+def results_depend(eqn: Any, given: Sequence[int], others: Sequence[int]) -> bool:
+    """Whether results `others` of a loop (or any equation) are computed, in the same
+    iteration, from the values of its results `given` (True where it cannot be told)."""
+    body = _body_of(eqn)
+    if body is None:
+        return True
+    tainted = {body.outvars[k] for k in given} - {None}
+    for inner in body.eqns:
+        if _reads(inner, tainted):
+            tainted.update(inner.outvars)
+    return any(_reads_var(body.outvars[k], tainted) for k in others)
+
+
+def _body_of(eqn: Any) -> Any:
+    """The body of a scan or of a call-like equation, or None."""
+    if _compat.loop_primitive(eqn) == "scan":
+        return _compat.scan_parts(eqn).jaxpr
+    inner = _compat.call_body(eqn)
+    return inner[0] if inner is not None else None
+
+
+def _reads(eqn: Any, values: set[Any]) -> bool:
+    return any(_reads_var(a, values) for a in eqn.invars)
+
+
+def _reads_var(atom: Any, values: set[Any]) -> bool:
+    return not _compat.is_literal(atom) and atom in values

@@ -7,6 +7,10 @@ each of the call's arguments that holds an array that is not a variable, positio
 by keyword as the call received it (`start=None` means the model's own inputs, the same
 way). A leaf of an argument that is a variable, a constant or a non-array is fixed by the
 trace and ignored when the slice is called.
+
+A call's arguments are listed as the call was written: positional ones first, then its
+keywords in the order it passed them (`keyword_order`), not in the sorted order in which
+JAX flattens them. An input port as an end keeps JAX's order, as its value always had.
 """
 
 from __future__ import annotations
@@ -102,22 +106,53 @@ def _argument(
     return Argument(port, keyword, position, tree, ids)
 
 
-def arguments_of(graph: Graph, port: Port, fixed: Container[int] = frozenset()) -> list[Argument]:
-    """The slice arguments a start port contributes (values in `fixed` are not taken)."""
+def keyword_order(call: Call, keywords: Iterable[str]) -> list[str]:
+    """A call's `keywords` in the order the call passed them.
+
+    JAX flattens ``block(x, mask=m, bias=b)``'s keywords sorted (``bias, mask``); the
+    call's record keeps the order they were written in. A keyword the record does not
+    know (a call without one: the model's inputs, a scope) keeps its place after those.
+    """
+    passed = getattr(call.record, "in_keywords", ())
+    rank = {k: i for i, k in enumerate(passed)}
+    return sorted(keywords, key=lambda k: rank.get(k, len(rank)))
+
+
+def input_leaf_order(call: Call) -> list[int]:
+    """The leaf indices of a call's input tree, its keywords in the order it passed them."""
+    tree = call.in_tree
+    args, kwargs = jax.tree_util.tree_unflatten(tree, list(range(tree.num_leaves)))
+    ordered = [kwargs[k] for k in keyword_order(call, kwargs)]
+    return jax.tree_util.tree_leaves((args, ordered))
+
+
+def arguments_of(
+    graph: Graph, port: Port, fixed: Container[int] = frozenset(), *, call_order: bool = True
+) -> list[Argument]:
+    """The slice arguments a start port contributes (values in `fixed` are not taken).
+
+    Keyword arguments come in the order the call passed them, or with ``call_order=False``
+    in JAX's (sorted) order.
+    """
     if port.side == OUTPUT:
         return [_argument(graph, port, port.call.port_tree(OUTPUT), fixed)]
     args, kwargs = port.call.port_tree(INPUT)
+    keywords = keyword_order(port.call, kwargs) if call_order else list(kwargs)
     found = [_argument(graph, port, a, fixed, position=i) for i, a in enumerate(args)]
-    found += [_argument(graph, port, a, fixed, keyword=k) for k, a in kwargs.items()]
+    found += [_argument(graph, port, kwargs[k], fixed, keyword=k) for k in keywords]
     # An input argument whose leaves are all fixed by the trace is not an argument.
     return [a for a in found if a.input_ids]
 
 
 def port_value_tree(graph: Graph, port: Port) -> Any:
-    """The pytree (of Slots) that a port yields when it is an end."""
+    """The pytree (of Slots) that a port yields when it is an end.
+
+    An input port yields its array arguments in JAX's order (keywords sorted), as it
+    always has: positional arguments, then keywords by name.
+    """
     if port.side == OUTPUT:
         return port.call.port_tree(OUTPUT)
-    trees = [a.slot_tree() for a in arguments_of(graph, port)]
+    trees = [a.slot_tree() for a in arguments_of(graph, port, call_order=False)]
     return trees[0] if len(trees) == 1 else tuple(trees)
 
 

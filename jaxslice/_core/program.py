@@ -33,12 +33,13 @@ import jax.numpy as jnp
 
 from .. import _compat
 from .._caches import LRU
-from .._errors import InputMismatchError, SliceError, VariablesMismatchError
+from .._errors import InputMismatchError, ModelTraceError, SliceError, VariablesMismatchError
 from .._trees import (
     abstract,
     abstract_tree,
     hashable,
     is_traced_leaf,
+    is_weak,
     nest,
     path_str,
     prune,
@@ -46,6 +47,7 @@ from .._trees import (
 )
 from . import emit as emit_
 from . import loops
+from .checks import check_alive, check_leaves, check_mutable, mode_value
 from .plan import Plan, StateRules, plan
 from .trace import Traced, stop_specs, trace, trace_split
 
@@ -180,6 +182,9 @@ class SliceProgram:
         Through one `jax.jit` per mode and `mutable` where it can (see the module's
         docstring), else (and to raise any error) through `apply_checked`.
         """
+        if kwargs:
+            self._check_mode({k: v for k, v in kwargs.items() if k not in self._keywords})
+            kwargs = {k: v if k in self._keywords else mode_value(k, v) for k, v in kwargs.items()}
         key = self._jit_key(kwargs, rngs, mutable, strict)
         try:
             jitted = self._jits.peek(key) or self._new_jitted(key, kwargs, mutable)
@@ -191,6 +196,9 @@ class SliceProgram:
             return jitted(variables, inputs)
         except _REDO:
             pass  # outside the handler, so that an error raised again is not chained
+        except RuntimeError:
+            check_alive(variables, inputs)
+            raise
         return self._redo(key, variables, inputs, kwargs, rngs, mutable, strict)
 
     def call(self, variables: Any, inputs: tuple[Any, ...]) -> Any:
@@ -207,6 +215,9 @@ class SliceProgram:
             return jitted(variables, inputs)
         except _REDO:
             pass
+        except RuntimeError:
+            check_alive(variables, inputs)
+            raise
         return self._redo(key, variables, inputs, {})
 
     def _redo(self, key: Any, variables: Any, inputs: Any, kwargs: Any, *rest: Any) -> Any:
@@ -294,7 +305,11 @@ class SliceProgram:
     ) -> Any:
         """Runs a compiled entry; with `mutable`, returns ``(outputs, updated_state)``."""
         check_mutable(entry.plan, mutable, self.adapter.has_collections)
-        outs = entry.jitted(var_leaves, rng_leaves, leaves)
+        try:
+            outs = entry.jitted(var_leaves, rng_leaves, leaves)
+        except RuntimeError:
+            check_alive(var_leaves, leaves, entry.plan.variable_paths)
+            raise
         n = len(entry.plan.output_ids)
         result = emit_.assemble(entry.plan.output_trees, outs[:n])
         if not mutable:
@@ -386,31 +401,63 @@ class SliceProgram:
     def _retrace(
         self, avals: tuple[Any, ...], inputs: tuple[Any, ...], kw_inputs: dict[str, Any], call: Any
     ) -> Entry:
+        """The entry for new input shapes. With a start, the model is traced again with its
+        inputs at the new batch size: each input's batch axis is taken to be the one of the
+        old batch size, the leading one first; where that fails (an iterations-first
+        ``xs[layers, batch, ...]`` whose two sizes are equal), a later one."""
         base = self.base
         split = self.adapter.resplit(self.target, base.traced.split)
         split = dataclasses.replace(
-            split,
-            mode=call.mode,
-            rngs=abstract_tree(call.rngs),
-            mutable=call.mutable,
-            **self._new_inputs(split, avals, inputs, kw_inputs),
+            split, mode=call.mode, rngs=abstract_tree(call.rngs), mutable=call.mutable
         )
-        traced = trace_split(self.adapter, self.target, split, stop_specs(self.start, self.end))
-        entry = make_entry(traced, self.start, self.end)
-        if base.plan.starts is not None and _shapes(self._traced_avals(entry)) != _shapes(avals):
-            raise InputMismatchError(_mismatch_message(self._traced_avals(base), avals))
-        return entry
+        error: Exception | None = None
+        for later in (False, True):
+            new = self._new_inputs(split, avals, inputs, kw_inputs, later)
+            if later and new is None:
+                break
+            try:
+                traced = trace_split(
+                    self.adapter,
+                    self.target,
+                    dataclasses.replace(split, **(new or {})),
+                    stop_specs(self.start, self.end),
+                )
+            except ModelTraceError as failed:
+                if not new:
+                    raise
+                error = failed
+                continue
+            entry = make_entry(traced, self.start, self.end)
+            if base.plan.starts is None or _shapes(self._traced_avals(entry)) == _shapes(avals):
+                return entry
+            error = InputMismatchError(_mismatch_message(self._traced_avals(base), avals))
+        if isinstance(error, ModelTraceError):
+            raise InputMismatchError(NEW_BATCH.format(error=error)) from error
+        raise error or AssertionError("no re-trace was tried")
 
     def _new_inputs(
-        self, split: Any, avals: tuple[Any, ...], inputs: tuple[Any, ...], kw_inputs: dict
-    ) -> dict[str, Any]:
-        """The model's inputs for a re-trace at the shapes of `avals`."""
+        self,
+        split: Any,
+        avals: tuple[Any, ...],
+        inputs: tuple[Any, ...],
+        kw_inputs: dict,
+        later: bool = False,
+    ) -> dict[str, Any] | None:
+        """The model's inputs for a re-trace at the shapes of `avals` (empty: as they
+        were); with `later`, the batch axis of each is its last axis of the old batch size
+        (None where that is the choice already tried)."""
         if self.base.plan.starts is None:
-            return _model_inputs(self.base.plan, split, inputs, kw_inputs)
-        batch = _new_batch_size(self._traced_avals(self.base), avals)
+            return None if later else _model_inputs(self.base.plan, split, inputs, kw_inputs)
+        expected = self._traced_avals(self.base)
+        batch = _new_batch_size(expected, avals)
         if batch is None:
-            return {}
-        resize = lambda x: _with_batch(x, batch)  # noqa: E731
+            return None if later else {}
+        old = next(e.shape[0] for e in expected if e.shape and not _same_dim(e.shape[0], batch))
+        axes = [_batch_axis(x, old, later) for x in jax.tree_util.tree_leaves(split.args)]
+        axes += [_batch_axis(x, old, later) for x in jax.tree_util.tree_leaves(split.kwargs)]
+        if later and all(a in (None, 0) for a in axes):
+            return None
+        resize = lambda x: _with_batch(x, _batch_axis(x, old, later), batch)  # noqa: E731
         return {
             "args": jax.tree_util.tree_map(resize, split.args),
             "kwargs": jax.tree_util.tree_map(resize, split.kwargs),
@@ -493,7 +540,7 @@ class SliceProgram:
             if any(i is None for i in arg.slot_ids):
                 raise SliceError(FIXED_LEAVES.format(arg=arg.describe()))
             specs = [
-                _with_batch(a, batch) if batch is not None else a
+                _with_batch(a, 0 if jnp.ndim(a) else None, batch) if batch is not None else a
                 for a in _avals(self.base, arg.slot_ids)
             ]
             value = jax.tree_util.tree_unflatten(arg.tree, specs)
@@ -604,49 +651,11 @@ MERGE_UNKNOWN = (
     "Pass the model's full variables first and the slice's variables second: "
     "`sub.merge(variables, new_sub_variables)`."
 )
-LEAF_MISMATCH = (
-    "The variable {path} is {got}, but the slice was traced with {want}. Pass variables "
-    "of the model the slice was made from (its `sub.variables`, or the result of training "
-    "them); to use other shapes, slice the model again with them."
+NEW_BATCH = (
+    "The slice was called at a new batch size, so jaxslice traced the model again with "
+    "its inputs' batch axis (the axis of the old batch size) resized, and the model "
+    "failed: {error}\nSlice again with sample inputs of the new batch size."
 )
-UNASKED_UPDATES = (
-    "In this mode the slice updates {names}; pass mutable={names} to get the updates "
-    "(as `(outputs, updates)`), as linen's `apply` requires."
-)
-NO_STATE = (
-    "mutable={wanted}, but the slice has no state there (it has {have}). Pass "
-    "mutable=False, or collections the slice's modules use (e.g. ['batch_stats'])."
-)
-
-
-def check_leaves(paths: Any, leaves: list[Any], avals: Any) -> None:
-    """Each leaf has the shape and dtype of the variable traced at its path."""
-    for path, leaf, aval in zip(paths, leaves, avals, strict=True):
-        # An array of the right shape and dtype passes at the cost of two comparisons.
-        dtype = getattr(leaf, "dtype", None)
-        if getattr(leaf, "shape", None) != aval.shape or dtype is None or dtype != aval.dtype:
-            _check_leaf(path, leaf, aval)
-
-
-def _check_leaf(path: Any, leaf: Any, aval: Any) -> None:
-    shape, dtype = jnp.shape(leaf), getattr(leaf, "dtype", None)
-    if tuple(shape) != tuple(aval.shape) or dtype is None or jnp.dtype(dtype) != aval.dtype:
-        got = f"{jnp.result_type(leaf) if dtype is None else dtype}{list(shape)}"
-        want = f"{aval.dtype}{list(aval.shape)}"
-        raise VariablesMismatchError(LEAF_MISMATCH.format(path=path_str(path), got=got, want=want))
-
-
-def check_mutable(plan_: Plan, mutable: Any, has_collections: bool) -> None:
-    """linen's rules: updated state must be asked for, and what is asked for must exist."""
-    if not has_collections:
-        return
-    if not mutable and plan_.updated_collections:
-        raise SliceError(UNASKED_UPDATES.format(names=list(plan_.updated_collections)))
-    if mutable and not plan_.state_paths:
-        wanted = "any collection" if mutable is True else repr(mutable)
-        raise SliceError(NO_STATE.format(wanted=wanted, have=list(plan_.state_collections)))
-
-
 #: errors after which `SliceProgram.apply` redoes a call with `apply_checked`: those of
 #: arguments `jax.jit` cannot take (strings, objects), of arguments it converts (Python
 #: numbers become arrays, where jaxslice would leave them alone), and jaxslice's own,
@@ -671,8 +680,8 @@ def _nest_state(values: Any, state: list[tuple[Any, Any]]) -> tuple[Any, Any]:
 
 
 def _signature(leaves: Any) -> tuple[Any, ...]:
-    """The shapes and dtypes of arrays (or avals), hashable."""
-    return tuple((tuple(x.shape), x.dtype) for x in leaves)
+    """The shapes, dtypes and weak types of arrays (or avals), hashable."""
+    return tuple((tuple(x.shape), x.dtype, getattr(x, "weak_type", False)) for x in leaves)
 
 
 def _static_key(tree: Any) -> Any:
@@ -700,9 +709,9 @@ def _array_positions(tree: Any) -> dict[Any, int]:
 def _check_arity(arguments: Any, inputs: tuple[Any, ...]) -> None:
     positional = [a for a in arguments if a.keyword is None]
     if len(inputs) != len(positional):
-        described = ", ".join(a.describe() for a in positional) or "none"
+        described = ", ".join(a.describe() for a in arguments) or "none"
         raise InputMismatchError(
-            f"This slice takes {len(positional)} positional input(s) ({described}), "
+            f"This slice takes {len(positional)} positional input(s) (its inputs: {described}), "
             f"got {len(inputs)}."
         )
 
@@ -746,10 +755,23 @@ def _model_inputs(plan_: Plan, split: Any, inputs: tuple[Any, ...], kw_inputs: d
     return {"args": tuple(args), "kwargs": kwargs}
 
 
-def _with_batch(x: Any, batch: Any) -> Any:
-    if is_traced_leaf(x) and jnp.ndim(x) >= 1:
-        return jax.ShapeDtypeStruct((batch, *jnp.shape(x)[1:]), x.dtype)
-    return x
+def _batch_axis(x: Any, old: Any, later: bool) -> int | None:
+    """The axis of a model input that has the old batch size: the leading one if it has
+    it (the last such with `later`), or None for an input without one."""
+    shape = jnp.shape(x) if is_traced_leaf(x) else ()
+    axes = [k for k, n in enumerate(shape) if _same_dim(n, old)]
+    if not axes:
+        return None
+    return axes[-1] if later else axes[0]
+
+
+def _with_batch(x: Any, axis: int | None, batch: Any) -> Any:
+    """A model input with its batch axis at the new size."""
+    if axis is None:
+        return x
+    shape = list(jnp.shape(x))
+    shape[axis] = batch
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype, weak_type=is_weak(x))
 
 
 def _same_dim(a: Any, b: Any) -> bool:

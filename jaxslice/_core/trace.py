@@ -26,6 +26,7 @@ import jax
 from .. import _compat
 from .._caches import LRU
 from .._errors import ModelTraceError, SliceError
+from .._fingerprint import model_key
 from .._trees import is_traced_leaf, shape_key, tree_key
 from ..adapters import Adapter, Split, adapter_for
 from . import markers
@@ -90,16 +91,21 @@ _GRAPHS = LRU(maxsize=16)
 
 def _counts_key(adapter: Adapter, target: Any, split: Split) -> Any:
     """What decides a traced program (SPEC "Reliability rules"): the model's structure
-    (or the target itself), the paths, shapes and dtypes of variables, the inputs'
-    structure, shapes, dtypes and fixed values, the mode, `mutable` and the random keys'
-    structure. None when part of it cannot be hashed (nothing is cached then)."""
-    structure = adapter.structure_key(target)
+    and everything it holds by value (`model_key`: a config object it reads, class
+    attributes), the paths, shapes and dtypes of variables, the inputs' structure,
+    shapes, dtypes and fixed values (each of its own type), the mode, `mutable` and the
+    random keys' structure. None when part of it cannot be hashed or described by value
+    (nothing is cached then)."""
+    model = model_key(target)
+    if model is None:
+        return None
     variables = tuple(
         (path, shape_key(x)) for path, x in adapter.flatten_variables(split.variables)[0]
     )
     key = (
         type(adapter),
-        target if structure is None else structure,
+        adapter.structure_key(target),
+        model,
         variables,
         tree_key((split.args, split.kwargs)),
         tree_key(split.mode),
@@ -334,8 +340,23 @@ def _model_error(
             mode=mode,
             where=where,
             error=f"{type(error).__name__}: {error}",
-            hint=adapter.error_hint(error),
+            hint=adapter.error_hint(error) + _array_flag_hint(split, error),
         )
+    )
+
+
+def _array_flag_hint(split: Split, error: Exception) -> str:
+    """Advice for a model that branched on a keyword given as a one-element array
+    (``train=jnp.asarray(True)``), which jaxslice traces as an input."""
+    if not isinstance(error, jax.errors.ConcretizationTypeError):
+        return ""
+    flags = [k for k, v in split.kwargs.items() if is_traced_leaf(v) and jax.numpy.size(v) == 1]
+    if not flags:
+        return ""
+    return (
+        f"\nThe keyword(s) {flags} are arrays, so they are traced as inputs; if the model "
+        "branches on them as modes (train=, deterministic=), pass Python values instead "
+        "(`train=True`)."
     )
 
 

@@ -158,6 +158,12 @@ class Adapter:
         """Writes `variables` (as `model_variables` gives them) into `model`."""
         raise NotImplementedError
 
+    def variables_view(self, target: Any, variables: Any) -> Callable[[], Any] | None:
+        """For a kind whose model holds variable objects that its slices share (Keras):
+        a function returning `variables` (a slice's part, as `split` makes them) with the
+        values `target` holds when it is called; None where a slice keeps its values."""
+        return None
+
     def slice_view(self, target: Any, program: Any) -> Any:
         """What `js.slice` returns for this kind, or None for a `js.Sliced`."""
         return None

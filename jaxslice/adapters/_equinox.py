@@ -19,9 +19,12 @@ Stateful layers work the Equinox way: an `eqx.nn.State` is an input like any oth
 and a layer's output is what it returns (``(y, state)`` for `eqx.nn.BatchNorm`).
 Equinox models compute one example per call: slice with one example and batch the
 slice with `jax.vmap` (or slice a wrapper module that vmaps inside, as layers with an
-``axis_name`` need). Sharp edge: a submodule rebuilt from its leaves inside the model
-(`eqx.filter_jit` or `eqx.filter_vmap` applied to a submodule, `eqx.combine` inside a
-`lax.scan` body) is a new object, so its calls belong to the enclosing boundary.
+``axis_name`` need). A submodule rebuilt from its leaves inside the model
+(``eqx.filter_jit(f)(self.body, x)``) is a new object; it keeps the path of the one
+submodule with its class, structure and shapes. Sharp edge: a rebuilt copy that matches
+no submodule, or several (`eqx.filter_vmap` over a stacked submodule, `eqx.combine`
+inside a `lax.scan` body, two identical layers), has no name, so its calls belong to
+the enclosing boundary.
 """
 
 from __future__ import annotations
@@ -99,6 +102,29 @@ def modules_of(model: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, 
     return found
 
 
+def _by_structure(found: list[tuple[tuple[Any, ...], Any]]) -> Any:
+    """Finds the path of a copy of a submodule that `eqx.filter_jit` (or `eqx.combine`)
+    rebuilt from its leaves inside the model: the one submodule of the same class,
+    structure, shapes and dtypes. A copy that matches several (or none) has no path, so
+    its calls belong to the enclosing boundary."""
+    paths: dict[Any, Any] = {}
+    for path, module in found:
+        try:
+            key = (type(module), tree_key(module))
+            hash(key)
+        except TypeError:
+            continue
+        paths[key] = None if key in paths else path_names(path)
+
+    def path_of(module: Any) -> tuple[str, ...] | None:
+        try:
+            return paths.get((type(module), tree_key(module)))
+        except TypeError:
+            return None
+
+    return path_of
+
+
 def node_at(tree: Any, path: tuple[Any, ...]) -> Any:
     """The node of `tree` at a key path (attributes, indices and dict keys)."""
     for key in path:
@@ -140,7 +166,8 @@ class EquinoxAdapter(Adapter):
         model = eqx.combine(call.variables, target)
         found = modules_of(model)
         paths = {id(m): path_names(p) for p, m in found if p}
-        with marked_calls(paths, callable_classes(m for _, m in found)):
+        path_of = _by_structure(found[1:])
+        with marked_calls(paths, callable_classes(m for _, m in found), path_of):
             return model(*call.args, **call.kwargs), None
 
     def structure_key(self, target: Any) -> Any:

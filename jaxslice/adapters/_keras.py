@@ -11,6 +11,13 @@ random-seed states (a slice that updates them without it is an error, as linen's
 ``apply`` raises), and ``training=True`` is a mode keyword. ``sub.merge(model, trained)``
 assigns trained values to the model's own variables.
 
+Unlike linen's, the values are the model's: a slice holds the model's `keras.Variable`s
+the slice reads (found by path when it is made, `variables_view`), and ``sub.variables``
+and ``sub(x)`` read their current values, as a functional sub-model sharing the layers
+does. So what ``merge``, ``model.fit`` or ``variable.assign`` write is what the slice
+computes with next: moving statistics accumulate and Dropout's seed states advance
+across the steps of a train loop that merges its updates.
+
 Boundaries are layers only: each layer call is marked explicitly by wrapping
 ``__call__`` on the layers' classes while the model is traced
 (`_patching.marked_calls`), so einsums and other operations inside a layer are not
@@ -193,6 +200,15 @@ class KerasAdapter(CollectionNodes, Adapter):
             return None
         keys = variable_keys(value)
         return _nested([(keys[id(v)], v.value) for v in value.variables])
+
+    def variables_view(self, target: Any, variables: Any) -> Any:
+        """A slice reads the model's own `keras.Variable`s, found by path once here and
+        read at each use, as a Keras sub-model that shares the layers reads them."""
+        keys = variable_keys(target)
+        by_key = {keys[id(v)]: v for v in target.variables}
+        flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
+        held = [by_key[path_names(path)] for path, _ in flat]
+        return lambda: jax.tree_util.tree_unflatten(treedef, [v.value for v in held])
 
     def assign(self, model: Any, variables: Any) -> None:
         keys = variable_keys(model)

@@ -13,7 +13,7 @@ from typing import Any, TypeVar, overload
 
 import jax
 
-from .._core.markers import Origin, call_marked, new_record, note_marked_function
+from .._core.markers import Origin, call_marked, new_record
 from .._errors import InvalidSpecError, UnsupportedTargetError
 from ._base import Adapter, Split, count_by_prefix, keywords_of, leaf_sizes, split_kwargs
 
@@ -54,7 +54,6 @@ def mark(name: str, fn: Callable[..., Any] | None = None) -> Any:
         return functools.partial(mark, name)
 
     kind = getattr(fn, "__name__", type(fn).__name__)
-    note_marked_function()
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:

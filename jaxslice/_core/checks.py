@@ -1,0 +1,105 @@
+"""What a call of a compiled slice is checked for before it runs: variables of the
+traced shapes and dtypes, arrays that still exist, modes that are Python values, and the
+`mutable` linen's rules ask for. Each check raises a `SliceError` that names the leaf or
+keyword and says what to pass instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _compat
+from .._errors import SliceError, VariablesMismatchError
+from .._trees import describe_aval, is_traced_leaf, path_str
+from .plan import Plan
+
+LEAF_MISMATCH = (
+    "The variable {path} is {got}, but the slice was traced with {want}. Pass variables "
+    "of the model the slice was made from (its `sub.variables`, or the result of training "
+    "them); to use other shapes, slice the model again with them."
+)
+UNASKED_UPDATES = (
+    "In this mode the slice updates {names}; pass mutable={names} to get the updates "
+    "(as `(outputs, updates)`), as linen's `apply` requires."
+)
+NO_STATE = (
+    "mutable={wanted}, but the slice has no state there (it has {have}). Pass "
+    "mutable=False, or collections the slice's modules use (e.g. ['batch_stats'])."
+)
+TRACED_MODE = (
+    "The mode keyword {name}= is a traced value (inside `jax.jit`, `jax.grad` or "
+    "`jax.vmap`); a mode decides which program runs, so it must be a Python value. Mark "
+    "it static (`jax.jit(f, static_argnames=...)`) or pass a Python bool."
+)
+DELETED = (
+    "The {kind} at {path} ({aval}) has been deleted: it was donated to a jitted function "
+    "(`donate_argnums`, an optimizer step that donates its state) or `.delete()`d. Pass "
+    "live arrays: use the arrays that call returned, or copy them before donating "
+    "(`jax.tree.map(jnp.copy, sub.variables)`)."
+)
+
+
+def check_leaves(paths: Any, leaves: list[Any], avals: Any) -> None:
+    """Each leaf has the shape and dtype of the variable traced at its path."""
+    for path, leaf, aval in zip(paths, leaves, avals, strict=True):
+        # An array of the right shape and dtype passes at the cost of two comparisons.
+        dtype = getattr(leaf, "dtype", None)
+        if getattr(leaf, "shape", None) != aval.shape or dtype is None or dtype != aval.dtype:
+            _check_leaf(path, leaf, aval)
+
+
+def _check_leaf(path: Any, leaf: Any, aval: Any) -> None:
+    shape, dtype = jnp.shape(leaf), getattr(leaf, "dtype", None)
+    if tuple(shape) != tuple(aval.shape) or dtype is None or jnp.dtype(dtype) != aval.dtype:
+        got = f"{jnp.result_type(leaf) if dtype is None else dtype}{list(shape)}"
+        want = f"{aval.dtype}{list(aval.shape)}"
+        raise VariablesMismatchError(LEAF_MISMATCH.format(path=path_str(path), got=got, want=want))
+
+
+def mode_value(name: str, value: Any) -> Any:
+    """A mode keyword as the Python value the model's code branches on: a concrete
+    one-element array of booleans or numbers (``train=jnp.asarray(True)``) becomes its
+    scalar; a traced one is an error, since the mode decides which program runs. Other
+    values (random keys among them) are left as they are."""
+    if not is_traced_leaf(value) or np.size(value) != 1:
+        return value
+    if not (jnp.issubdtype(value.dtype, jnp.bool_) or jnp.issubdtype(value.dtype, jnp.number)):
+        return value
+    try:
+        return np.asarray(value).item()
+    except jax.errors.TracerArrayConversionError:
+        raise SliceError(TRACED_MODE.format(name=name)) from None
+
+
+def check_alive(variables: Any, inputs: Any, variable_paths: Any = None) -> None:
+    """Raises a `SliceError` naming the first deleted array (donated to a jitted function,
+    or `.delete()`d) among `variables` (a pytree, or leaves at `variable_paths`) and
+    `inputs`; JAX's own error names none."""
+    if variable_paths is None:
+        flat = jax.tree_util.tree_flatten_with_path(variables)[0]
+        variable_paths, variables = [p for p, _ in flat], [x for _, x in flat]
+    named = [("variable", p, x) for p, x in zip(variable_paths, variables, strict=True)]
+    named += [("input", p, x) for p, x in jax.tree_util.tree_flatten_with_path(inputs)[0]]
+    for kind, path, leaf in named:
+        if isinstance(leaf, _compat.CONCRETE_ARRAY) and leaf.is_deleted():
+            raise SliceError(
+                DELETED.format(kind=kind, path=path_str(path), aval=describe_aval(leaf))
+            )
+
+
+def check_mutable(plan_: Plan, mutable: Any, has_collections: bool) -> None:
+    """linen's rules: updated state must be asked for, and what is asked for must exist."""
+    if not has_collections:
+        return
+    if not mutable and plan_.updated_collections:
+        raise SliceError(UNASKED_UPDATES.format(names=list(plan_.updated_collections)))
+    if mutable and not plan_.state_paths:
+        wanted = "any collection" if mutable is True else repr(mutable)
+        raise SliceError(NO_STATE.format(wanted=wanted, have=list(plan_.state_collections)))
+
+
+_compat.register_frames_exclusion(__file__)
