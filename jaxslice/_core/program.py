@@ -182,9 +182,10 @@ class SliceProgram:
         Through one `jax.jit` per mode and `mutable` where it can (see the module's
         docstring), else (and to raise any error) through `apply_checked`.
         """
-        if kwargs:
-            self._check_mode({k: v for k, v in kwargs.items() if k not in self._keywords})
-            kwargs = {k: v if k in self._keywords else mode_value(k, v) for k, v in kwargs.items()}
+        modes = {k: v for k, v in kwargs.items() if k not in self._keywords}
+        if any(map(is_traced_leaf, modes.values())):  # an array mode (`train=jnp.asarray(True)`)
+            self._check_mode(modes)  # an unknown keyword is named as such, not as a mode
+            kwargs = {**kwargs, **{k: mode_value(k, v) for k, v in modes.items()}}
         key = self._jit_key(kwargs, rngs, mutable, strict)
         try:
             jitted = self._jits.peek(key) or self._new_jitted(key, kwargs, mutable)
