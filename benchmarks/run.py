@@ -42,6 +42,16 @@ Groups (``--only``), each a module here:
            21. a vmapped sweep of 64 call-time patches / 64 separate calls        <= 0.3
            22. first run of a js.Interpreter (b: ActivationStats, c: Tracker) on
                per-iteration names / the model's first jitted call                 <= 1.5
+  coverage Sun et al.'s pair criteria on the digits CNN of examples/coverage_digits.py
+           (see `coverage_pairs`):
+           23. js.coverage.generate's inputs / as many random perturbations of the same
+               seeds in the same L-inf budget: pairs each adds to the test split's
+               (SignSign; ValueSign)                                              >= 2
+           24. update + result() of the four pair criteria at batch 64, test split seen
+               / the jitted forward at batch 64                                   <= 3
+           25. peak memory of a 512 x 512 layer-pair update at batch 64 (capacity 4096,
+               ~4000 seen; XLA's memory analysis)                                 <= 1 GiB
+               (and the time per update, for information)
 
 Only the public API of jaxslice is used. The exit status is 1 when a retrace count (exact)
 misses its target or a slice computes a wrong result, and, with ``--strict``, when any
@@ -69,6 +79,7 @@ GROUPS = {
     "scanned": "scanned",
     "cold": "cold",
     "edits": "edits",
+    "coverage": "coverage_pairs",
 }
 EXACT = ("8.",)  # rows whose check is noise-free: they fail the run even without --strict
 

@@ -540,6 +540,28 @@ def pair_verdict(missing: bool, disconnected: bool, unused: bool, clash: bool) -
     return "valid"
 
 
+# --------------------------------------------------------------------------- coverage models
+#
+# Small models whose layers the coverage and statistics tests observe.
+
+
+class CoverageMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(6, name="fc1")(x))
+        x = jnp.tanh(nn.Dense(5, name="fc2")(x))
+        return nn.Dense(3, name="head")(x)
+
+
+class CoverageCNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(3, (3, 3), name="conv1")(x))
+        x = nn.relu(nn.Conv(4, (3, 3), strides=2, name="conv2")(x))
+        x = x.reshape(x.shape[0], -1)
+        return nn.Dense(3, name="head")(x)
+
+
 # --------------------------------------------------------------------------- scanned stacks
 #
 # Small stacks of scanned layers (5 layers of width 6 by default), shared by the scan,
@@ -570,6 +592,27 @@ class ScannedModel(nn.Module):
         )
         x, _ = stack(name="layers")(x, None)
         return nn.Dense(3, name="head")(x)
+
+
+class ScanUnrolled(nn.Module):
+    """`ScannedModel` with its blocks applied in a Python loop: the oracle's twin, read
+    with Flax's `capture_intermediates` (weights from `scan_unrolled_params`)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(SCAN_WIDTH, name="embed")(x)
+        for k in range(SCAN_LAYERS):
+            x, _ = ScanBlock(name=f"layers_{k}")(x)
+        return nn.Dense(3, name="head")(x)
+
+
+def scan_unrolled_params(variables: Any) -> Any:
+    """A `ScannedModel`'s stacked weights, split per layer for `ScanUnrolled`."""
+    p = dict(variables["params"])
+    stacked = p.pop("layers")
+    for k in range(SCAN_LAYERS):
+        p[f"layers_{k}"] = jax.tree_util.tree_map(lambda a, k=k: a[k], stacked)
+    return {"params": p}
 
 
 def nnx_scanned(rngs: Any, layers: int = SCAN_LAYERS) -> Any:

@@ -6,22 +6,14 @@ inputs at once (with ``relu`` applied by hand for ``position="activation"``).
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import captured, random_input, random_variables
+from conftest import CoverageCNN, captured, random_input, random_variables
 
 import jaxslice as js
 
-
-class CNN(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Conv(3, (3, 3), name="conv1")(x))
-        x = nn.relu(nn.Conv(4, (3, 3), strides=2, name="conv2")(x))
-        x = x.reshape(x.shape[0], -1)
-        return nn.Dense(3, name="head")(x)
+CNN = CoverageCNN
 
 
 MODEL = CNN()

@@ -21,7 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TinyResNet, captured, count_compiles, random_variables
+from conftest import (
+    CoverageCNN,
+    CoverageMLP,
+    TinyResNet,
+    captured,
+    count_compiles,
+    random_variables,
+)
 
 import jaxslice as js
 
@@ -197,21 +204,7 @@ def not_trivial(expected, names):
 # =========================================================================== models and data
 
 
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(6, name="fc1")(x))
-        x = jnp.tanh(nn.Dense(5, name="fc2")(x))
-        return nn.Dense(3, name="head")(x)
-
-
-class CNN(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Conv(3, (3, 3), name="conv1")(x))
-        x = nn.relu(nn.Conv(4, (3, 3), strides=2, name="conv2")(x))
-        x = x.reshape(x.shape[0], -1)
-        return nn.Dense(3, name="head")(x)
+MLP, CNN = CoverageMLP, CoverageCNN
 
 
 def rand(seed, shape, scale=1.0, offset=0.0):

@@ -17,10 +17,12 @@ from conftest import (
     SCAN_WIDTH,
     ScanBlock,
     ScannedModel,
+    ScanUnrolled,
     count_primitive,
     eager_rows,
     iter_eqns,
     nnx_scanned,
+    scan_unrolled_params,
 )
 from flax import nnx
 
@@ -33,13 +35,7 @@ D = SCAN_WIDTH
 Block, Scanned = ScanBlock, ScannedModel  # the shared stack of `N` blocks of width `D`
 
 
-class Unrolled(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(D, name="embed")(x)
-        for k in range(N):
-            x, _ = Block(name=f"layers_{k}")(x)
-        return nn.Dense(3, name="head")(x)
+Unrolled = ScanUnrolled
 
 
 X = jnp.asarray(np.random.default_rng(0).normal(size=(2, 4)), jnp.float32)
@@ -52,13 +48,7 @@ def scanned():
     return model, variables
 
 
-def unrolled_params(variables):
-    """The scanned model's weights laid out for `Unrolled`."""
-    p = dict(variables["params"])
-    stacked = p.pop("layers")
-    for k in range(N):
-        p[f"layers_{k}"] = jax.tree_util.tree_map(lambda a, k=k: a[k], stacked)
-    return {"params": p}
+unrolled_params = scan_unrolled_params
 
 
 def captured(variables):

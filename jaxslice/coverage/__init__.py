@@ -12,6 +12,11 @@ from ._criteria import SNAC as SNAC
 from ._criteria import TKNC as TKNC
 from ._criteria import Criterion as Criterion
 from ._criteria import SignSign as SignSign
+from ._criteria import SignValue as SignValue
+from ._criteria import ValueSign as ValueSign
+from ._criteria import ValueValue as ValueValue
+from ._generate import Generated as Generated
+from ._generate import generate as generate
 from ._tracker import CoverageResult as CoverageResult
 from ._tracker import Tracker as Tracker
 
@@ -23,6 +28,11 @@ __all__ = [
     "TKNC",
     "CoverageResult",
     "Criterion",
+    "Generated",
     "SignSign",
+    "SignValue",
+    "ValueSign",
+    "ValueValue",
     "Tracker",
+    "generate",
 ]

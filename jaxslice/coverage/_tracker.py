@@ -21,6 +21,7 @@ from .. import _compat
 from .._errors import InvalidSpecError, SliceError
 from .._table import PrintsAsTable
 from ..observe import GRANULARITIES, Moments, Observer, neuron_count, neurons, scaled
+from ..observe._observer import per_iteration
 from ._criteria import KMNC, NBC, NC, SNAC, TKNC, Criterion
 
 _PROFILE, _UPDATE = 0, 1
@@ -48,6 +49,28 @@ class CoverageResult(PrintsAsTable, dict):
             rows += [("", key, f"{value:.4f}") for key, value in res["layers"].items()]
         return rows
 
+    def annotations(self, *criteria: str) -> dict[str, str]:
+        """``{boundary: text}`` for drawing (``to_dot(annotations=...)``): each layer's
+        figure per criterion, e.g. ``"NC 0.83"``; a pair criterion's figure goes on the
+        second layer of the pair, e.g. ``"SignSign fc1→ 0.25"``. Several criteria share
+        a node's line. Default: every criterion of the result.
+
+        Raises:
+          InvalidSpecError: a criterion the result does not have.
+        """
+        unknown = [c for c in criteria if c not in self]
+        if unknown:
+            raise InvalidSpecError(
+                f"No criterion {unknown[0]!r} in this result; it has {sorted(self)}."
+            )
+        notes: dict[str, list[str]] = {}
+        for crit in criteria or list(self):
+            for key, value in self[crit]["layers"].items():
+                first, arrow, layer = key.rpartition(" -> ")
+                label = f"{crit} {first}→ {value:.2f}" if arrow else f"{crit} {value:.2f}"
+                notes.setdefault(layer, []).append(label)
+        return {layer: "; ".join(labels) for layer, labels in notes.items()}
+
 
 class Tracker:
     """Structural test coverage of a network over the batches it is updated with.
@@ -58,7 +81,10 @@ class Tracker:
         ``model, x`` for NNX). Keywords such as ``train=False`` fix the mode.
       criteria: criterion objects; default NC(0.5), KMNC(10), NBC, SNAC, TKNC(2).
       layers: boundary names to observe (taken in call order); default every module with
-        parameters of its own.
+        parameters of its own. Iterations of a scanned stack are named as for slices:
+        ``layers[2]/mlp`` is one, and ``layers[:]/mlp`` is one layer per iteration
+        (``layers[0]/mlp``, ``layers[1]/mlp``, ..., in call order among the others),
+        observed from the one loop as the model runs it.
       granularity: ``"channel"`` or ``"element"``.
       position: ``"output"`` (the layer's output) or ``"activation"``.
 
@@ -95,9 +121,14 @@ class Tracker:
             )
         self.criteria = _checked_criteria(criteria)
         self.granularity = granularity
+        self.position = position
+        # What `generate` needs to observe the layers' outputs beside their activations.
+        self._source = (target, args, kwargs, layers)
         self._observer = Observer(target, args, kwargs, layers, position)
-        self.layers = self._observer.layers
-        self.sizes = _neuron_counts(self.layers, self._observer.shapes, granularity)
+        self._rows = per_iteration(self._observer)
+        self.layers = [name for name, _, _ in self._rows]
+        shapes = [self._observer.shapes[i][len(row) :] for _, i, row in self._rows]
+        self.sizes = _neuron_counts(self.layers, shapes, granularity)
         self._names = _names(self.criteria)
         self._profile: list[Moments] | None = None
         self.reset()
@@ -136,6 +167,8 @@ class Tracker:
         """Adds a batch of test inputs (an array, or a tuple of the model's inputs)."""
         self._check_profile()
         n = self._observer.batch_size(batch)
+        if n == 0:
+            return  # nothing seen: an empty batch covers nothing
         for crit in self.criteria:
             limit = getattr(crit, "capacity", None)
             if limit is not None and self._seen + n > limit:
@@ -167,8 +200,19 @@ class Tracker:
         if needing and self._profile is None:
             raise SliceError(PROFILE_NEEDED.format(names=", ".join(needing)))
 
+    def _layer_outputs(self, outputs: Any) -> Any:
+        """`outputs` (the observed outputs) as one output per layer, stacked ones split."""
+        rows = self._rows
+
+        def layer_outputs(v: Any, r: Any, x: Any) -> list[Any]:
+            outs = outputs(v, r, x)
+            return [outs[i][row] if row else outs[i] for _, i, row in rows]
+
+        return layer_outputs
+
     def _profile_step(self, outputs: Any) -> Any:
         granularity = self.granularity
+        outputs = self._layer_outputs(outputs)
 
         def step(v: Any, r: Any, x: Any, acc: list[Moments]) -> list[Moments]:
             outs = outputs(v, r, x)
@@ -182,6 +226,7 @@ class Tracker:
         granularity = self.granularity
         criteria = self.criteria
         need_scaled = any(c.needs_scaled for c in criteria)
+        outputs = self._layer_outputs(outputs)
 
         def step(v: Any, r: Any, x: Any, state: list[Any], profile: Any) -> list[Any]:
             outs = outputs(v, r, x)

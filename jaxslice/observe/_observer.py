@@ -13,6 +13,7 @@ dtypes must be those of the sample inputs. Variables are taken when the observer
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -126,18 +127,25 @@ class Observer:
         kwargs: dict[str, Any],
         layers: Sequence[str] | None,
         position: str = "output",
+        also_outputs: bool = False,
     ):
+        """`also_outputs`: at ``position="activation"``, observe each layer's output too
+        (after all the activations, in the same order)."""
         if position not in POSITIONS:
             raise InvalidSpecError(f"position must be one of {POSITIONS}, got {position!r}.")
         traced = trace(target, args, kwargs)
         self.target = target
         self.layers = _ordered_layers(traced, default_layers(traced) if layers is None else layers)
-        ends = {n: _END_AT[position](n) for n in self.layers}
+        ends: dict[Any, Any] = {n: _END_AT[position](n) for n in self.layers}
+        if also_outputs and position != "output":
+            ends.update({(n, "output"): n for n in self.layers})
+        self.count = len(ends)
         split = traced.split
         self.variables = split.variables  # the model's arrays, before the program drops them
         self.rngs = split.rngs
         self.sample = [abstract(x) for x in _array_leaves((split.args, split.kwargs))]
         self.program = SliceProgram(traced, None, ends)
+        self.traced_graph = traced.graph
         base = self.program.base
         self.shapes = [tuple(base.traced.graph.avals[i].shape) for i in base.plan.output_ids]
 
@@ -171,7 +179,7 @@ class Observer:
         steps = entry.__dict__.setdefault("observer_steps", {})
         step = steps.get(key)
         if step is None:
-            n = len(self.layers)
+            n = self.count
 
             def outputs(v: list[Any], r: list[Any], x: list[Any], _fn: Any = entry.fn) -> list[Any]:
                 return _fn(v, r, x)[:n]
@@ -190,18 +198,55 @@ def _ordered_layers(traced: Traced, layers: Any) -> list[str]:
             f"`layers` must be a list of boundary names or None, got {layers!r}."
         )
     resolver = Resolver(traced.graph)
-    order = {}
-    for name in layers:
-        ref = resolver.loop_ref(name, "output")  # an iteration of a call inside a scan
-        if ref is not None:
-            iterations = tuple(-1 if k == ":" else k for k in ref.path)
-            order[name] = (ref.call.start, ref.call.in_seq, iterations)
-            continue
-        call, _ = resolver.resolve(name, "output")  # unknown / ambiguous names raise here
-        order[name] = (call.start, call.in_seq, ())
+    order = {name: _call_order(resolver, name)[0] for name in layers}
     layers = sorted(dict.fromkeys(layers), key=order.__getitem__)
     if not layers:
         raise InvalidSpecError(
             "No layers to observe: the model has no module with parameters; name `layers`."
         )
     return layers
+
+
+def _call_order(resolver: Resolver, name: str) -> tuple[tuple[Any, ...], Any]:
+    """A key that sorts boundary names in call order (an iteration of a call inside a
+    scan by the loop, then the iteration, then the call within the body; a stacked
+    ``[:]`` before the loop's single iterations), and the name's `LoopRef` (None for a
+    call outside scans). Unknown and ambiguous names raise."""
+    ref = resolver.loop_ref(name, "output")
+    if ref is not None:
+        iterations = tuple(-1 if k == ":" else k for k in ref.path)
+        return (ref.call.start, iterations, ref.call.in_seq), ref
+    call, _ = resolver.resolve(name, "output")
+    return (call.start, (), call.in_seq), None
+
+
+def per_iteration(observer: Observer) -> list[tuple[str, int, tuple[int, ...]]]:
+    """The observer's layers with every stacked name (``layers[:]/mlp``) written out as
+    one layer per iteration (``layers[0]/mlp``, ...), all in call order, without repeats:
+    ``(name, index of the observed output, index of the iteration's row in it)``."""
+    resolver = Resolver(observer.traced_graph)
+    rows = {}
+    for index, name in enumerate(observer.layers):
+        key, ref = _call_order(resolver, name)
+        stacked = [] if ref is None else [d for d, k in enumerate(ref.path) if k == ":"]
+        if not stacked:
+            rows.setdefault(name, (key, index, ()))
+            continue
+        lengths = [range(ref.sites[d].length) for d in stacked]
+        for picked in itertools.product(*lengths):
+            path = list(ref.path)
+            for d, k in zip(stacked, picked, strict=True):
+                path[d] = k
+            one = _fill_slots(name, picked)
+            rows.setdefault(one, ((key[0], tuple(path), key[2]), index, picked))
+    ordered = sorted(rows.items(), key=lambda item: item[1][0])
+    return [(name, index, picked) for name, (_, index, picked) in ordered]
+
+
+def _fill_slots(name: str, picked: tuple[int, ...]) -> str:
+    """`name` with its ``[:]`` slots, in order, replaced by the iterations `picked`."""
+    parts = name.split("[:]")
+    out = parts[0]
+    for k, rest in zip(picked, parts[1:], strict=True):
+        out += f"[{k}]{rest}"
+    return out
