@@ -127,6 +127,24 @@ def test_mlp_matches_reference(mlp, mlp_tracker):
     assert_result(t.result(), expected)
 
 
+@pytest.mark.parametrize("dense", [True, False])
+def test_capacity_not_a_multiple_of_the_block(mlp, monkeypatch, dense):
+    """A capacity of 300 with the last inputs past row 256 (history blocks hold 128 or 512
+    inputs): 274 copies of the first input, then the 16 inputs; copies cover nothing
+    among themselves, so the result is the 16 inputs' own."""
+    import jaxslice.coverage._criteria as criteria
+
+    if not dense:
+        monkeypatch.setattr(criteria, "_DENSE", 0)
+    crits = [C.SignSign(capacity=300), C.ValueValue(ratio=1.5, capacity=300)]
+    t = C.Tracker(mlp.model, mlp.variables, mlp.x[:2], criteria=crits)
+    t.update(jnp.repeat(mlp.x[:1], 137, axis=0))
+    t.update(jnp.repeat(mlp.x[:1], 137, axis=0))
+    t.update(mlp.x[:8])
+    t.update(mlp.x[8:])
+    assert_result(t.result(), ref_result(FOUR[::3], t.layers, mlp.outs))
+
+
 @pytest.mark.parametrize("products", [64, 2**25])
 def test_wide_layer_update_matches_reference(mlp, monkeypatch, products):
     """Wide layers take only the input pairs that can cover, a bounded number of

@@ -266,7 +266,9 @@ class PairCriterion(Criterion):
 
     def init(self, sizes):
         pairs = [np.zeros((a, b), bool) for a, b in zip(sizes[:-1], sizes[1:], strict=True)]
-        rows = -(-self.capacity // _BLOCK) * _BLOCK if self.capacity > _BLOCK else self.capacity
+        # Rows for whole blocks of either size (a block read past the end would be moved).
+        block = _BLOCK if self.capacity > _BLOCK else _BLOCK // 4
+        rows = -(-self.capacity // block) * block
         history = [np.zeros((rows, n), np.float32) for n in sizes]
         return pairs, history, np.zeros((), np.int32)
 
