@@ -34,6 +34,7 @@ import math
 from collections import Counter
 
 import numpy as np
+import pytest
 
 MARGIN = 1e-5  # decisions closer than this (relative to the values' size) are refused
 
@@ -76,6 +77,17 @@ def neurons(out: np.ndarray, granularity: str) -> np.ndarray:
         return out.mean(axis=tuple(range(1, out.ndim - 1)))
     assert granularity == "element", granularity
     return out.reshape(out.shape[0], -1)
+
+
+def nc_values(out: np.ndarray, granularity: str) -> np.ndarray:
+    """DeepXplore: each input's whole layer output min-max scaled to [0, 1], then per neuron."""
+    out = np.asarray(out, np.float32).astype(np.float64)
+    rows = []
+    for x in out:  # one input at a time, as in DeepXplore's `update_coverage`
+        lo, hi = x.min(), x.max()
+        s = (x - lo) / (hi - lo) if hi > lo else np.zeros_like(x)
+        rows.append(neurons(s[None], granularity)[0])
+    return np.stack(rows)
 
 
 # =========================================================================== definitions
@@ -181,3 +193,15 @@ def _clear(x: float, edge: float, scale: float, what: str) -> None:
         f"reference: {what} ({x!r} vs {edge!r}) is too close to its edge for a float32 "
         "comparison; pick other test data"
     )
+
+
+def assert_result(actual, expected):
+    """A tracker's result as the reference's: same criteria, same keys in the same order,
+    identical fractions."""
+    assert list(actual) == list(expected)
+    for name in expected:
+        assert isinstance(actual[name]["total"], float), name
+        assert list(actual[name]["layers"]) == list(expected[name]["layers"]), name
+        got = {"total": actual[name]["total"], **actual[name]["layers"]}
+        want = {"total": expected[name]["total"], **expected[name]["layers"]}
+        assert got == pytest.approx(want, abs=1e-12), name

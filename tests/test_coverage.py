@@ -29,6 +29,7 @@ from conftest import (
     count_compiles,
     random_variables,
 )
+from coverage_reference import assert_result, nc_values, neurons
 
 import jaxslice as js
 
@@ -37,27 +38,6 @@ MARGIN = 1e-5  # decisions closer than this to their edge are rejected by the re
 
 
 # =========================================================================== reference
-
-
-def ref_neurons(out: np.ndarray, granularity: str) -> np.ndarray:
-    """(inputs, neurons): the channel mean over all axes but batch and last, or every element."""
-    out = np.asarray(out, np.float64)
-    if out.ndim == 1:
-        return out[:, None]
-    if granularity == "channel":
-        return out.mean(axis=tuple(range(1, out.ndim - 1))) if out.ndim > 2 else out
-    return out.reshape(out.shape[0], -1)
-
-
-def ref_nc_values(out: np.ndarray, granularity: str) -> np.ndarray:
-    """DeepXplore: each input's whole layer output min-max scaled to [0, 1], then per neuron."""
-    out = np.asarray(out, np.float64)
-    rows = []
-    for x in out:  # one input at a time, as in DeepXplore's `update_coverage`
-        lo, hi = x.min(), x.max()
-        s = (x - lo) / (hi - lo) if hi > lo else np.zeros_like(x)
-        rows.append(ref_neurons(s[None], granularity)[0])
-    return np.stack(rows)
 
 
 def _clear(a, b, what):
@@ -139,8 +119,8 @@ def ref_signsign(v1: np.ndarray, v2: np.ndarray) -> np.ndarray:
 
 def reference(criteria, layers, profile_outs, update_outs, granularity="channel"):
     """The expected `Tracker.result()` for raw layer outputs given as {layer: array}."""
-    vals = {n: ref_neurons(update_outs[n], granularity) for n in layers}
-    prof = {n: ref_neurons(profile_outs[n], granularity) for n in layers} if profile_outs else None
+    vals = {n: neurons(update_outs[n], granularity) for n in layers}
+    prof = {n: neurons(profile_outs[n], granularity) for n in layers} if profile_outs else None
     low = {n: prof[n].min(0) for n in layers} if prof else None
     high = {n: prof[n].max(0) for n in layers} if prof else None
     result = {}
@@ -157,7 +137,7 @@ def reference(criteria, layers, profile_outs, update_outs, granularity="channel"
             counts = []
             for n in layers:
                 if isinstance(crit, C.NC):
-                    cov = ref_nc(ref_nc_values(update_outs[n], granularity), crit.threshold)
+                    cov = ref_nc(nc_values(update_outs[n], granularity), crit.threshold)
                 elif isinstance(crit, C.KMNC):
                     cov = ref_kmnc(vals[n], low[n], high[n], crit.k)
                 elif isinstance(crit, C.NBC):
@@ -175,17 +155,6 @@ def reference(criteria, layers, profile_outs, update_outs, granularity="channel"
             "layers": {k: c / t for k, (c, t) in zip(keys, counts, strict=True)},
         }
     return result
-
-
-def assert_result(actual, expected):
-    """Same criteria, same layer keys in the same order, identical fractions."""
-    assert list(actual) == list(expected)
-    for name in expected:
-        assert isinstance(actual[name]["total"], float), name
-        assert list(actual[name]["layers"]) == list(expected[name]["layers"]), name
-        got = {"total": actual[name]["total"], **actual[name]["layers"]}
-        want = {"total": expected[name]["total"], **expected[name]["layers"]}
-        assert got == pytest.approx(want, abs=1e-12), name
 
 
 def capture(model, variables, x):

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import captured, random_variables
+from coverage_reference import KINDS, nc_values, neurons
 
 import jaxslice as js
 
@@ -40,35 +41,7 @@ SEEDS = 32
 CAPTURE = 64  # rows per captured block
 EDGE = 1e-5  # relative distance from an edge within which float32 rounding may decide
 
-#: criterion name -> (condition on n1 in layer k, condition on n2 in layer k+1)
-KINDS = {
-    "SignSign": ("sign", "sign"),
-    "ValueSign": ("value", "sign"),
-    "SignValue": ("sign", "value"),
-    "ValueValue": ("value", "value"),
-}
-
-
 # =========================================================================== reference
-
-
-def ref_neurons(out: np.ndarray, granularity: str) -> np.ndarray:
-    """(inputs, neurons): channel means over all axes but batch and last, or every element."""
-    out = np.asarray(out, np.float32).astype(np.float64)
-    if granularity == "channel":
-        return out.mean(axis=tuple(range(1, out.ndim - 1))) if out.ndim > 2 else out
-    return out.reshape(out.shape[0], -1)
-
-
-def ref_nc_values(out: np.ndarray, granularity: str) -> np.ndarray:
-    """DeepXplore: each input's whole layer output min-max scaled to [0, 1], then per neuron."""
-    out = np.asarray(out, np.float32).astype(np.float64)
-    rows = []
-    for x in out:
-        lo, hi = x.min(), x.max()
-        s = (x - lo) / (hi - lo) if hi > lo else np.zeros_like(x)
-        rows.append(ref_neurons(s[None], granularity)[0])
-    return np.stack(rows)
 
 
 def sc(a, b):
@@ -209,10 +182,10 @@ class Setup:
         return outs
 
     def values(self, x) -> dict[str, np.ndarray]:
-        return {k: ref_neurons(o, self.granularity) for k, o in self.outputs(x).items()}
+        return {k: neurons(o, self.granularity) for k, o in self.outputs(x).items()}
 
     def nc_values(self, x) -> dict[str, np.ndarray]:
-        return {k: ref_nc_values(o, self.granularity) for k, o in self.outputs(x).items()}
+        return {k: nc_values(o, self.granularity) for k, o in self.outputs(x).items()}
 
 
 def _mlp_parts():

@@ -28,7 +28,7 @@ from conftest import (
     random_variables,
     scan_unrolled_params,
 )
-from coverage_reference import KINDS, Spec, neurons, ref_pairs, ref_result
+from coverage_reference import KINDS, Spec, assert_result, neurons, ref_pairs, ref_result
 
 import jaxslice as js
 
@@ -45,17 +45,6 @@ def make(spec: Spec):
 
 FOUR = [Spec("SignSign"), Spec("ValueSign", 2.0), Spec("SignValue", 2.0), Spec("ValueValue", 1.5)]
 NAMES = [s.kind for s in FOUR]
-
-
-def assert_result(actual, expected):
-    """Same criteria, same keys in the same order, identical fractions."""
-    assert list(actual) == list(expected)
-    for name in expected:
-        assert isinstance(actual[name]["total"], float), name
-        assert list(actual[name]["layers"]) == list(expected[name]["layers"]), name
-        got = {"total": actual[name]["total"], **actual[name]["layers"]}
-        want = {"total": expected[name]["total"], **expected[name]["layers"]}
-        assert got == pytest.approx(want, abs=1e-12), name
 
 
 def not_trivial(expected, names=None):
