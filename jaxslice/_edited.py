@@ -139,6 +139,7 @@ class EditedAdapter(PlainAdapter):
         super().__init__(name_scopes=False)
         self.model = model
         self.has_collections = model.has_collections
+        self.always_returns_state = model.always_returns_state
 
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         kwargs = dict(kwargs)
@@ -245,7 +246,7 @@ class EditedModel:
         given = take_call_inputs(plan, kwargs)
         entry, leaves = program.lookup(inputs, kwargs, rngs, True if plan.live else mutable)
         if not plan.live:  # state the model updates must be asked for, as its `apply` says
-            check_mutable(entry.plan, mutable, program.adapter.has_collections)
+            check_mutable(entry.plan, mutable, program.adapter)
         graph = entry.traced.graph
         merged = plan.model_values(variables)
         values = [merged[p] for p in graph.variable_paths]

@@ -30,7 +30,8 @@ def slice(target: Any, *args: Any, start: Any = None, end: Any = None, **kwargs:
       For linen and plain functions a `js.Sliced`: ``sub(*inputs)`` runs the slice with
       ``sub.variables``; each start contributes its module's array arguments (an
       ``:output`` port, the whole output). For NNX a `js.SlicedModule`, an `nnx.Module`
-      that shares the model's variables.
+      that shares the model's variables. For Haiku a `HaikuSliced`, applied as the
+      transform's own ``apply`` is (``sub.apply(params, [state,] rng, *inputs)``).
 
     Raises:
       SliceError: for unknown or ambiguous names, a slice that needs a value before its
@@ -54,8 +55,13 @@ def view(program: SliceProgram, target: Any = None) -> Any:
     """What users get for a program of `target` (by default, the program's own): the
     adapter's own kind of slice, or a `Sliced`."""
     target = program.target if target is None else target
-    custom = program.adapter.slice_view(target, program)
-    return Sliced(program) if custom is None else custom
+    adapter = program.adapter
+    custom = adapter.slice_view(target, Sliced(program) if adapter.slice_view_wraps else program)
+    if custom is not None:
+        return custom
+    sliced = Sliced(program)
+    wrapped = program.adapter.sliced_view(target, sliced)
+    return sliced if wrapped is None else wrapped
 
 
 class Sliceable:

@@ -60,10 +60,12 @@ def test_a_haiku_node_gets_its_parameters_under_its_name(f_and_params):
     def loss(p):
         return jnp.sum(hk.transform(twin).apply(p, None, X) ** 2)
 
-    got = jax.grad(lambda v: jnp.sum(edited.apply(v, X) ** 2))(edited.variables)
+    # as a slice of it is: Haiku's params dict and Haiku's `apply(params, rng, x)`
+    assert sorted(edited.params) == sorted(variables["params"])
+    got = jax.grad(lambda p: jnp.sum(edited.apply(p, None, X) ** 2))(edited.params)
     want_grads = jax.grad(loss)(variables["params"])
     for module in ("adapter/down", "adapter/up", "stem"):
-        close(got["params"][module]["w"], want_grads[module]["w"])
+        close(got[module]["w"], want_grads[module]["w"])
     g.remove("adapter")
     close(g.build()(X), f.apply(params, None, X))
     assert params.keys() == {"stem", "mid", "head"}  # the model's own are untouched
@@ -106,3 +108,35 @@ def test_steering_a_haiku_function_with_call_time_inputs(f_and_params):
     got = jax.vmap(lambda v: edited(X, v=v))(vs)
     for i in range(3):
         close(got[i], steered(vs[i]))
+
+
+def test_an_edited_stateful_function_is_applied_as_haikus_apply():
+    def bn_net(x, is_training):
+        h = hk.Linear(6, name="stem")(x)
+        h = hk.BatchNorm(True, True, 0.9, name="bn")(h, is_training)
+        return hk.Linear(2, name="head")(jax.nn.relu(h))
+
+    def tanh_bn(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        bn = context.module.module_name == "bn" and context.method_name == "__call__"
+        return jnp.tanh(out) if bn else out
+
+    def intercepted(x, is_training):
+        with hk.intercept_methods(tanh_bn):
+            return bn_net(x, is_training)
+
+    f = hk.transform_with_state(bn_net)
+    params, state = f.init(jax.random.key(0), X, is_training=True)
+    oracle = hk.transform_with_state(intercepted)
+    for training in (True, False):
+        edited = (
+            js.edit(f, params, state, X, is_training=training)
+            .insert_after("bn", jnp.tanh, name="squash")
+            .build()
+        )
+        out, new_state = edited.apply(edited.params, state, None, X)
+        want, want_state = oracle.apply(params, state, None, X, is_training=training)
+        close(out, want)
+        assert jax.tree.structure(new_state) == jax.tree.structure(want_state)
+        for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(want_state), strict=True):
+            close(a, b)

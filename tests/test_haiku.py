@@ -44,7 +44,9 @@ def test_slices_equal_haiku_truncated_and_full_networks():
     f = hk.without_apply_rng(hk.transform(mlp_fn))
     params = f.init(jax.random.key(0), X)
     body = js.slice(f, params, X, end="mlp/~/linear_1")
-    assert set(body.variables["params"]) == {"mlp/~/linear_0", "mlp/~/linear_1"}
+    assert set(body.params) == {"mlp/~/linear_0", "mlp/~/linear_1"}  # a Haiku params dict
+    assert body.params["mlp/~/linear_0"]["w"] is params["mlp/~/linear_0"]["w"]
+    assert body.state == {}
 
     def truncated(x):  # the same modules, so the same names and parameters
         mlp = hk.nets.MLP([8, 8, 2], name="mlp")
@@ -52,6 +54,9 @@ def test_slices_equal_haiku_truncated_and_full_networks():
 
     want = hk.without_apply_rng(hk.transform(truncated)).apply(params, X)
     close(body(X), want)
+    close(body.apply(body.params, X), want)  # `without_apply_rng`: apply(params, x)
+    with pytest.raises(js.SliceError, match="without `rng`"):
+        body(X, rng=jax.random.key(0))
     head = js.slice(f, params, X, start="mlp/~/linear_2")
     close(head(jax.nn.relu(want)), f.apply(params, X))
     close(js.intermediates(f, params, X, names=["mlp/~/linear_1"])["mlp/~/linear_1"], want)
@@ -64,13 +69,18 @@ def test_gradients_and_merge():
     first = params["mlp/~/linear_0"]
     h = jax.nn.relu(X @ first["w"] + first["b"])
     loss = lambda out: jnp.sum(out**2)  # noqa: E731
-    got = jax.grad(lambda v: loss(head.apply(v, h)))(head.variables)
+    # Haiku's order for `hk.transform`: apply(params, rng, *inputs)
+    got = jax.grad(lambda p: loss(head.apply(p, None, h)))(head.params)
     want = jax.grad(lambda p: loss(f.apply(p, None, X)))(params)
+    assert set(got) == {"mlp/~/linear_1", "mlp/~/linear_2"}
     for key in ("mlp/~/linear_1", "mlp/~/linear_2"):
-        close(got["params"][key], want[key])
-    trained = jax.tree.map(lambda p, g: p - 0.1 * g, head.variables, got)
-    merged = head.merge({"params": params}, trained)["params"]
+        close(got[key], want[key])
+    trained = jax.tree.map(lambda p, g: p - 0.1 * g, head.params, got)
+    merged = head.merge(params, trained)  # a Haiku params dict in, one out
+    assert set(merged) == set(params)
     assert merged["mlp/~/linear_0"]["w"] is params["mlp/~/linear_0"]["w"]
+    assert set(head.extract(merged)) == set(head.params)
+    close(head.extract(merged), trained)
     close(
         merged["mlp/~/linear_2"],
         jax.tree.map(lambda p, g: p - 0.1 * g, params["mlp/~/linear_2"], want["mlp/~/linear_2"]),
@@ -110,22 +120,32 @@ def test_batch_norm_state_in_train_and_eval_mode():
     for training in (False, True):
         want, want_state = reference.apply(params, state, None, IMAGES, training)
         sub = js.slice(f, params, state, IMAGES, end="net/bn", is_training=training)
-        if not training:
-            close(sub(IMAGES), want)
-            continue
-        with pytest.raises(js.SliceError, match="mutable"):
-            sub(IMAGES)  # train mode updates the statistics: never silently dropped
-        sub = js.slice(f, params, state, IMAGES, end="net/bn", is_training=True, mutable=["state"])
-        out, updates = sub(IMAGES, mutable=["state"])
+        # Haiku's order for `hk.transform_with_state`: apply(params, state, rng, *inputs),
+        # returning the new state beside the output (never silently dropped). Given the
+        # model's whole state, as Haiku's `apply` is, it returns all of it, updated.
+        out, new_state = sub.apply(sub.params, state, None, IMAGES)
         close(out, want)
-        assert set(updates["state"]) <= set(state)
-        for name, entries in updates["state"].items():
-            close(entries, want_state[name])
-        assert all(want_state[k]["counter"] == state[k]["counter"] + 1 for k in updates["state"])
-        merged = sub.merge({"params": params, "state": state}, updates)
-        assert merged["params"]["net/head"]["w"] is params["net/head"]["w"]  # untouched leaves
+        assert jax.tree.structure(new_state) == jax.tree.structure(want_state)
+        close(new_state, want_state)
+        close(jax.jit(sub.apply)(sub.params, state, None, IMAGES), (want, want_state))
+        if training:
+            assert all(new_state[k]["counter"] == state[k]["counter"] + 1 for k in new_state)
+        # `sub.state` holds the entries the slice reads, keyed as Haiku keys them
+        assert set(sub.state) <= set(state)
+        read = [(m, e) for m, v in sub.state.items() for e in v]
+        assert all(sub.state[m][e] is state[m][e] for m, e in read)
+        out, own = sub(IMAGES)  # with sub.state: its entries, and those it writes
+        close(out, want)
+        close(own, {m: {e: want_state[m][e] for e in v} for m, v in own.items()})
+        assert all(e in own[m] for m, e in read)
+        out, again = sub.apply(sub.params, own, None, IMAGES)  # a loop keeps its structure
+        assert jax.tree.structure(again) == jax.tree.structure(own)
+        merged = sub.merge_state(state, own)
+        assert set(merged) == set(state)
         for name, entries in want_state.items():  # by hand: Haiku's new state, entry by entry
-            close(merged["state"][name], entries)
+            close({e: merged[name][e] for e in own[name]}, {e: entries[e] for e in own[name]})
+        with pytest.raises(js.SliceError, match="net/bn"):
+            sub.apply({**sub.params, "net/bn": {}}, state, None, IMAGES)
 
 
 def test_a_module_called_twice_and_the_full_stateful_output():
@@ -140,9 +160,11 @@ def test_a_module_called_twice_and_the_full_stateful_output():
     want = (h @ p["net/shared"]["w"] + p["net/shared"]["b"]) @ p["net/head"]["w"] + p["net/head"][
         "b"
     ]
-    close(tail(h), want)
+    close(tail(h)[0], want)
     full = js.slice(f, params, state, IMAGES, is_training=False)
-    close(full(IMAGES), f.apply(params, state, None, IMAGES, False)[0])
+    want = f.apply(params, state, None, IMAGES, is_training=False)
+    close(full.apply(full.params, state, None, IMAGES), want)  # Haiku's own call, whole
+    close(full(IMAGES)[0], want[0])
 
 
 def test_random_keys_are_haikus_rng():
@@ -155,16 +177,17 @@ def test_random_keys_are_haikus_rng():
     key = jax.random.key(7)
     sub = js.slice(f, params, X, start="b:input", rngs=key)
     full = js.slice(f, params, X, rngs=key)
-    close(full(X, rngs=key), f.apply(params, key, X))
+    close(full(X, rng=key), f.apply(params, key, X))
+    close(full.apply(full.params, key, X), f.apply(params, key, X))  # Haiku's own order
     h = jnp.ones((3, 6))
     b = params["b"]
-    close(sub(h, rngs=key), h @ b["w"] + b["b"])
+    close(sub(h, rng=key), h @ b["w"] + b["b"])
+    with pytest.raises(js.SliceError, match="rng"):
+        full(X)  # re-traced without a key: Haiku's error, with what to pass
     with pytest.raises(js.SliceError, match="rngs=key"):
-        sub(h)  # re-traced without a key: Haiku's error, with what to pass
-    with pytest.raises(js.SliceError, match="rngs=key"):
-        js.slice(f, params, X, rng=key)  # Haiku's name for it: told which keyword to use
-    with pytest.raises(js.SliceError, match="does not accept"):
-        sub(h, rng=key)
+        js.slice(f, params, X, rng=key)  # js.slice takes keys as every kind does: told so
+    with pytest.raises(js.SliceError, match="apply\\(params, rng"):
+        sub.apply(sub.params)  # the arguments Haiku's `apply` takes, named
 
 
 def test_clear_errors():

@@ -548,12 +548,13 @@ def hz():
     return _HaikuZoo()
 
 
-# Haiku's scopes follow the call nesting with each module's local name: the module
-# keyed "mlp/~/linear_0" in the parameters is the boundary "mlp/linear_0".
+# A plain function that applies a transformed function gets Haiku's own names, keyed
+# exactly as its parameters are ("mlp/~/linear_0", `~` included), not the names of the
+# `jax.named_call` scopes Haiku opens ("mlp/linear_0"), which are not listed twice.
 HAIKU_NAMES = {
     "mlp": ("mlp", 0),
-    "mlp/linear_0": ("mlp/~/linear_0", 0),
-    "mlp/linear_1": ("mlp/~/linear_1", 0),
+    "mlp/~/linear_0": ("mlp/~/linear_0", 0),
+    "mlp/~/linear_1": ("mlp/~/linear_1", 0),
     "shared@0": ("shared", 0),
     "shared@1": ("shared", 1),
     "head": ("head", 0),
@@ -563,6 +564,7 @@ HAIKU_NAMES = {
 def test_haiku_modules_are_boundaries(hz):
     table = js.boundaries(hz.fn, hz.params, hz.x)
     assert [b.name for b in table] == list(HAIKU_NAMES)
+    assert {b.name for b in table if b.name != "mlp"} <= {*hz.params, "shared@0", "shared@1"}
     assert {b.name: b.param_count for b in table}["mlp"] == (4 * 6 + 6) + (6 * 5 + 5)
 
 
@@ -575,7 +577,7 @@ def test_haiku_prefix_slices_match_intercepted_outputs(hz, name):
 
 def test_haiku_slice_between_modules_matches_apply(hz):
     (h,), _ = hz.calls["mlp/~/linear_1"][0]
-    sub = js.slice(hz.fn, hz.params, hz.x, start="mlp/linear_1", end="head")
+    sub = js.slice(hz.fn, hz.params, hz.x, start="mlp/~/linear_1", end="head")
     close(sub(h), hz.y)
     assert set(sub.variables) == {"mlp/~/linear_1", "shared", "head"}
     assert sub.variables["shared"]["w"] is hz.params["shared"]["w"]

@@ -654,6 +654,7 @@ def _with_scope_calls(
 def _unnamed(candidates: list[Call], calls: list[Call]) -> list[Call]:
     """The candidates whose name none of `calls` has."""
     known = {c.name for c in calls} | {unslotted(c.template) for c in calls if c.template}
+    known |= {"/".join(c.record.scope) for c in calls if c.record and c.record.scope}
     return [c for c in candidates if c.name not in known]
 
 

@@ -91,13 +91,14 @@ def check_alive(variables: Any, inputs: Any, variable_paths: Any = None) -> None
             )
 
 
-def check_mutable(plan_: Plan, mutable: Any, has_collections: bool) -> None:
-    """linen's rules: updated state must be asked for, and what is asked for must exist."""
-    if not has_collections:
+def check_mutable(plan_: Plan, mutable: Any, adapter: Any) -> None:
+    """linen's rules: updated state must be asked for, and what is asked for must exist
+    (unless the model's own call returns its state in every mode, as Haiku's does)."""
+    if not adapter.has_collections:
         return
     if not mutable and plan_.updated_collections:
         raise SliceError(UNASKED_UPDATES.format(names=list(plan_.updated_collections)))
-    if mutable and not plan_.state_paths:
+    if mutable and not plan_.state_paths and not adapter.always_returns_state:
         wanted = "any collection" if mutable is True else repr(mutable)
         raise SliceError(NO_STATE.format(wanted=wanted, have=list(plan_.state_collections)))
 

@@ -65,6 +65,10 @@ class CallRecord:
     # stacked): the boundary's full name (``layers[2]/attn``) and what identifies it.
     display: str | None = None
     key: Any = None
+    # The `jax.named_scope` path the model library itself opens around the call (Haiku's
+    # `named_call` of local module names, without its ``~``): under a target that lists
+    # scope regions, the region of that name is this call, not a second boundary.
+    scope: tuple[str, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -165,10 +169,15 @@ def is_marking() -> bool:
 
 
 def new_record(
-    *, origin: Origin, path: tuple[str, ...], method: str, module_type: str
+    *,
+    origin: Origin,
+    path: tuple[str, ...],
+    method: str,
+    module_type: str,
+    scope: tuple[str, ...] | None = None,
 ) -> CallRecord:
     """A fresh record for a call that is marked by hand (see `mark_side`)."""
-    return CallRecord(origin, tuple(path), method, module_type)
+    return CallRecord(origin, tuple(path), method, module_type, scope=scope)
 
 
 def mark_side(record: CallRecord, side: str, tree: Any) -> None:

@@ -305,7 +305,7 @@ class SliceProgram:
         mutable: Any,
     ) -> Any:
         """Runs a compiled entry; with `mutable`, returns ``(outputs, updated_state)``."""
-        check_mutable(entry.plan, mutable, self.adapter.has_collections)
+        check_mutable(entry.plan, mutable, self.adapter)
         try:
             outs = entry.jitted(var_leaves, rng_leaves, leaves)
         except RuntimeError:

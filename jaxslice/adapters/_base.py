@@ -61,6 +61,9 @@ class Adapter:
     state_includes_variables: bool = False
     #: whether calls take linen's `rngs=` and `mutable=`
     has_collections: bool = False
+    #: whether the model's call returns its state in every mode (Haiku's `apply`), so
+    #: asking for state that a slice does not update gives none instead of an error
+    always_returns_state: bool = False
     #: whether the model holds its variables (read with `live_variables`, not passed)
     holds_variables: bool = False
     #: whether an edit's new modules keep their variables apart from the model's
@@ -69,6 +72,9 @@ class Adapter:
     #: whether a complete trace may be reused for a model of the same `structure_key`
     #: (or, without one, the same target) at the same signature
     caches_traces: bool = True
+
+    #: whether `slice_view` is given the slice's `js.Sliced` (not its program) to wrap
+    slice_view_wraps: bool = False
 
     #: ``(module, class)`` of the models this adapter takes, or None for any callable
     model_class: tuple[str, str] | None = None
@@ -166,6 +172,12 @@ class Adapter:
 
     def slice_view(self, target: Any, program: Any) -> Any:
         """What `js.slice` returns for this kind, or None for a `js.Sliced`."""
+        return None
+
+    def sliced_view(self, target: Any, sliced: Any) -> Any:
+        """What `js.slice` returns for this kind as a view over the program's `js.Sliced`
+        (the library's own calling conventions over the same engine), or None for that
+        `js.Sliced`. Asked only where `slice_view` gives None."""
         return None
 
     def edit_node(self, obj: Any, name: str, args: tuple[Any, ...]) -> NewModule | None:

@@ -17,6 +17,7 @@ dropping the update.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from collections.abc import Mapping
@@ -50,13 +51,27 @@ def _interceptor(next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, Any], c
     if context.method_name in _SKIPPED_METHODS:
         return next_fun(*args, **kwargs)
     module = context.module
+    path = _module_path(module.module_name)
+    method = context.method_name
+    # Haiku runs each method under `jax.named_call` of the module's local name (and of
+    # the method's, for one other than ``__call__``).
+    scope = (*(p for p in path if p != "~"), *([method] if method != "__call__" else []))
     record = new_record(
         origin=Origin.MODULE,
-        path=_module_path(module.module_name),
-        method=context.method_name,
+        path=path,
+        method=method,
         module_type=type(module).__name__,
+        scope=scope,
     )
     return call_marked(next_fun, args, kwargs, record)
+
+
+def haiku_interception() -> Any:
+    """A context in which Haiku module calls are marked: a plain function may apply a
+    transformed function (``f.apply(params, x)``), whose modules are boundaries under
+    Haiku's names. Nothing to do where Haiku is not imported."""
+    hk = sys.modules.get("haiku")
+    return contextlib.nullcontext() if hk is None else hk.intercept_methods(_interceptor)
 
 
 def _module_path(module_name: str) -> tuple[str, ...]:
@@ -81,9 +96,20 @@ def _param_sizes(variables: Any) -> dict[tuple[str, ...], int]:
     }
 
 
+def haiku_parameter_counts(params: Any) -> dict[str, int]:
+    """Parameter counts per module path of a Haiku params dict applied by a plain
+    function (``{}`` where Haiku is not imported or `params` is no such dict)."""
+    if "haiku" not in sys.modules or not isinstance(params, Mapping):
+        return {}
+    if not all(isinstance(v, Mapping) for v in params.values()):
+        return {}
+    return count_by_prefix(_param_sizes({"params": params}))
+
+
 class HaikuAdapter(Adapter):
     has_collections = True
     state_includes_variables = True  # apply returns every state entry, changed or not
+    always_returns_state = True
 
     @classmethod
     def accepts(cls, target: Any) -> bool:
@@ -106,7 +132,8 @@ class HaikuAdapter(Adapter):
             raise InvalidSpecError(RNG_KEYWORD)
         kwargs = dict(kwargs)
         rngs = kwargs.pop("rngs", None)
-        mutable = kwargs.pop("mutable", False)
+        # Haiku's `apply` of a stateful transform always returns the new state.
+        mutable = kwargs.pop("mutable", ["state"] if stateful else False)
         variables = {"params": args[0], "state": args[1]} if stateful else {"params": args[0]}
         inputs, mode = split_kwargs(kwargs)
         return Split(variables, rngs, tuple(args[given:]), inputs, mode, mutable)
@@ -126,6 +153,18 @@ class HaikuAdapter(Adapter):
             return result, None
         out, state = result
         return out, {"state": state}
+
+    def sliced_view(self, target: Any, sliced: Any) -> Any:
+        from ._haiku_slice import HaikuSliced
+
+        return HaikuSliced(sliced, stateful=self._stateful(target), takes_rng=_takes_rng(target))
+
+    def edited_view(self, target: Any, edited: Any) -> Any:
+        from ._haiku_slice import HaikuSliced
+
+        return HaikuSliced(
+            edited.sliced, stateful=self._stateful(target), takes_rng=_takes_rng(target)
+        )
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
         names = keywords_of(target.apply)

@@ -1,7 +1,8 @@
 """Plain JAX functions: `fn(variables, *inputs)`.
 
 Boundaries are calls of functions wrapped with `js.mark(name)` and `jax.named_scope`
-regions. `js.mark` also opens a `jax.named_scope` of its name, so a marked function's name
+regions, and the module calls of Haiku functions it applies (named as Haiku keys their
+parameters, as for an `hk.Transformed` target). `js.mark` also opens a `jax.named_scope` of its name, so a marked function's name
 is its full scope path (marks and scopes nest alike), and profiles show the same names.
 """
 
@@ -16,6 +17,7 @@ import jax
 from .._core.markers import Origin, call_marked, new_record
 from .._errors import InvalidSpecError, UnsupportedTargetError
 from ._base import Adapter, Split, count_by_prefix, keywords_of, leaf_sizes, split_kwargs
+from ._haiku import haiku_interception, haiku_parameter_counts
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -85,10 +87,15 @@ class PlainAdapter(Adapter):
         return Split(variables=args[0], rngs=None, args=tuple(args[1:]), kwargs=inputs, mode=mode)
 
     def call(self, target: Any, call: Split) -> tuple[Any, Any]:
-        return target(call.variables, *call.args, **call.kwargs), None
+        with haiku_interception():
+            return target(call.variables, *call.args, **call.kwargs), None
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
         return keywords_of(target)
 
     def parameter_counts(self, variables: Any) -> dict[str, int]:
-        return count_by_prefix(leaf_sizes(variables))
+        counts = count_by_prefix(leaf_sizes(variables))
+        # Haiku's flat module keys ("mlp/~/linear_0") count for each module up the path.
+        for name, size in haiku_parameter_counts(variables).items():
+            counts.setdefault(name, size)
+        return counts
