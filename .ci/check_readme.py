@@ -1,11 +1,17 @@
-"""Runs the Python code blocks of README.md in order, as one script.
+"""Runs the Python code blocks of markdown files (README.md, the docs pages) in order.
+
+Each file's ```python blocks run in order as one script, in a fresh namespace of its
+own.
 
 A ```text block that directly follows a ```python block is that block's expected
 output: it must equal what the block prints (trailing spaces ignored). Output that
 differs between JAX versions (a printed jaxpr) goes in an untagged block, which is not
-compared. Exits non-zero on the first block that fails.
+compared. Within a file, checking stops at the first block that fails; every file is
+checked, and the exit status is non-zero if any failed. A file with no fenced code blocks
+at all (a page of prose or tables) is skipped; a file with code blocks but no ```python
+block fails.
 
-Usage: python .ci/check_readme.py [README.md]
+Usage: python .ci/check_readme.py [README.md] [docs/*.md ...]
 """
 
 from __future__ import annotations
@@ -63,11 +69,22 @@ def main(path: str) -> int:
                 return 1
             checked += 1
     if not ran:
+        if not found:
+            print(f"{path}: no code blocks, skipped")
+            return 0
         print(f"FAILED: no python blocks in {path}", file=sys.stderr)
         return 1
     print(f"{path}: {ran} python blocks ran, {checked} outputs matched")
     return 0
 
 
+def main_all(paths: list[str]) -> int:
+    failed = [path for path in paths if main(path) != 0]
+    if failed:
+        print("FAILED: " + ", ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "README.md"))
+    sys.exit(main_all(sys.argv[1:] or ["README.md"]))
