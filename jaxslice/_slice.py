@@ -55,8 +55,7 @@ def view(program: SliceProgram, target: Any = None) -> Any:
     """What users get for a program of `target` (by default, the program's own): the
     adapter's own kind of slice, or a `Sliced`."""
     target = program.target if target is None else target
-    adapter = program.adapter
-    custom = adapter.slice_view(target, Sliced(program) if adapter.slice_view_wraps else program)
+    custom = program.adapter.slice_view(target, program)
     if custom is not None:
         return custom
     sliced = Sliced(program)

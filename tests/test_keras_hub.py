@@ -26,8 +26,12 @@ def close(a, b, tol=1e-5):
 def bert():
     keras.utils.set_random_seed(0)
     bb = keras_hub.models.BertBackbone(
-        vocabulary_size=100, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
+        vocabulary_size=100,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=16,
     )
     rng = np.random.default_rng(0)
     x = {

@@ -73,9 +73,6 @@ class Adapter:
     #: (or, without one, the same target) at the same signature
     caches_traces: bool = True
 
-    #: whether `slice_view` is given the slice's `js.Sliced` (not its program) to wrap
-    slice_view_wraps: bool = False
-
     #: ``(module, class)`` of the models this adapter takes, or None for any callable
     model_class: tuple[str, str] | None = None
 

@@ -210,6 +210,12 @@ class KerasAdapter(CollectionNodes, Adapter):
         held = [by_key[path_names(path)] for path, _ in flat]
         return lambda: jax.tree_util.tree_unflatten(treedef, [v.value for v in held])
 
+    def sliced_view(self, target: Any, sliced: Any) -> Any:
+        """A `keras.Model` sharing the model's variables (`_keras_model.KerasSlice`)."""
+        from ._keras_model import keras_slice
+
+        return keras_slice(target, sliced, variable_keys(target))
+
     def assign(self, model: Any, variables: Any) -> None:
         keys = variable_keys(model)
         for v in model.variables:
