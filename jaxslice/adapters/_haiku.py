@@ -6,13 +6,12 @@ for exactly this. A boundary's name is the module's `module_name`, exactly as Ha
 its parameters (``res_net18/~/block_group_1``; ``path.method`` for methods other than
 ``__call__``). The transformed function itself is no boundary.
 
-Variables are held as collections, as linen's are: ``{"params": params}``, plus
-``"state"`` for a stateful function, so `rngs`, `mutable`, `sub.variables` and `merge`
-work as they do for linen. `rngs` is the one key Haiku's ``apply`` takes (none for
-`hk.without_apply_rng`). Haiku's ``apply`` always returns the new state; the trace keeps
-it, so a slice that updates state (`hk.BatchNorm` with ``is_training=True``) needs
-``mutable=["state"]``, as a linen slice that updates batch statistics does, instead of
-dropping the update.
+Inside, variables are held as collections, as linen's are: ``{"params": params}``,
+plus ``"state"`` for a stateful function (traced with ``mutable=["state"]`` unless told
+otherwise, since Haiku's ``apply`` always returns the new state). `rngs` is the one key
+Haiku's ``apply`` takes (none for `hk.without_apply_rng`). What users get is a
+`HaikuSliced` (``_haiku_slice.py``): that engine behind Haiku's own conventions, Haiku
+dicts and ``apply(params, [state,] rng, *inputs)``.
 """
 
 from __future__ import annotations

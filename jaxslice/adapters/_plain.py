@@ -2,8 +2,9 @@
 
 Boundaries are calls of functions wrapped with `js.mark(name)` and `jax.named_scope`
 regions, and the module calls of Haiku functions it applies (named as Haiku keys their
-parameters, as for an `hk.Transformed` target). `js.mark` also opens a `jax.named_scope` of its name, so a marked function's name
-is its full scope path (marks and scopes nest alike), and profiles show the same names.
+parameters, as for an `hk.Transformed` target). `js.mark` also opens a
+`jax.named_scope` of its name, so a marked function's name is its full scope path (marks
+and scopes nest alike), and profiles show the same names.
 """
 
 from __future__ import annotations
