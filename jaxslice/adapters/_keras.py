@@ -147,6 +147,15 @@ def _read(tree: dict[str, Any], key: tuple[str, ...]) -> Any:
     return tree
 
 
+def held_variables(target: Any, variables: Any) -> tuple[list[Any], Any]:
+    """The model's own `keras.Variable`s behind the leaves of `variables` (a slice's, as
+    `split` makes them), in leaf order, and the treedef of `variables`."""
+    keys = variable_keys(target)
+    by_key = {keys[id(v)]: v for v in target.variables}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
+    return [by_key[path_names(path)] for path, _ in flat], treedef
+
+
 class KerasAdapter(CollectionNodes, Adapter):
     has_collections = True
     state_includes_variables = True  # stateless_call returns every non-trainable variable
@@ -204,17 +213,14 @@ class KerasAdapter(CollectionNodes, Adapter):
     def variables_view(self, target: Any, variables: Any) -> Any:
         """A slice reads the model's own `keras.Variable`s, found by path once here and
         read at each use, as a Keras sub-model that shares the layers reads them."""
-        keys = variable_keys(target)
-        by_key = {keys[id(v)]: v for v in target.variables}
-        flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
-        held = [by_key[path_names(path)] for path, _ in flat]
+        held, treedef = held_variables(target, variables)
         return lambda: jax.tree_util.tree_unflatten(treedef, [v.value for v in held])
 
     def sliced_view(self, target: Any, sliced: Any) -> Any:
         """A `keras.Model` sharing the model's variables (`_keras_model.KerasSlice`)."""
-        from ._keras_model import keras_slice
+        from ._keras_model import KerasSlice
 
-        return keras_slice(target, sliced, variable_keys(target))
+        return KerasSlice(sliced, held_variables(target, sliced.variables)[0])
 
     def assign(self, model: Any, variables: Any) -> None:
         keys = variable_keys(model)

@@ -5,11 +5,11 @@ the model's variables, as ``keras.Model(inputs, layer.output)`` shares its layer
 model's own `keras.Variable`s hold (read through ``v.value``, so inside Keras's
 `StatelessScope`, as ``fit`` uses it, the scoped values are used). Its
 ``trainable_variables`` / ``non_trainable_variables`` are those variables themselves
-(not copies), so ``sub.compile(...)``, ``sub.fit(...)`` train the model's own layers. ``sub.variables`` stays
-jaxslice's nested dict of current values (as for `js.Sliced`); Keras's flat list is
-``sub.weights``. An explicit ``training=`` is a mode keyword (traced once per mode). The
-underlying `js.Sliced` is ``sub.sliced``. Keras is imported only here, when a Keras model
-is sliced.
+(not copies), so ``sub.compile(...)``, ``sub.fit(...)`` train the model's own layers.
+``sub.variables`` stays jaxslice's nested dict of current values (as for `js.Sliced`);
+Keras's flat list is ``sub.weights``. An explicit ``training=`` is a mode keyword (traced
+once per mode). The underlying `js.Sliced` is ``sub.sliced``. Keras is imported only
+here, when a Keras model is sliced.
 
 Sharp edges: Keras's own weight files (``save_weights``/``load_weights``, ``.keras``)
 do not yet reach the shared variables through a slice (save the model itself); ``fit``
@@ -21,19 +21,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import keras
 
 from .._core.view import ProgramView
-from .._trees import path_names
 
 
 class KerasSlice(ProgramView, keras.Model):
     """A slice of a Keras model, itself a `keras.Model` sharing the model's variables."""
 
-    def __init__(self, sliced: Any, held: list[Any], treedef: Any):
+    def __init__(self, sliced: Any, held: list[Any]):
         super().__init__(name="jaxslice_slice")
-        object.__setattr__(self, "_js", (sliced, tuple(held), treedef))
+        object.__setattr__(self, "_js", (sliced, tuple(held)))
         self.built = True
 
     # -- jaxslice's side
@@ -87,20 +85,13 @@ class KerasSlice(ProgramView, keras.Model):
         return super().__call__(*args, **kwargs)
 
     def call(self, inputs: Any, *more: Any, training: Any = None, **kwargs: Any) -> Any:
-        sliced, held, treedef = self._js
+        sliced = self.sliced
         args = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
         if training is not None:  # a mode keyword, traced once per mode
             kwargs["training"] = training
-        values = jax.tree_util.tree_unflatten(treedef, [v.value for v in held])
-        return sliced.apply(values, *args, *more, **kwargs)
+        # `sliced.variables` reads the held variables' `value`s now: inside `fit`'s
+        # StatelessScope, the scoped ones.
+        return sliced.apply(sliced.variables, *args, *more, **kwargs)
 
     def __repr__(self) -> str:
         return f"KerasSlice({self._slice_program().summary()})"
-
-
-def keras_slice(target: Any, sliced: Any, keys: dict[int, tuple[str, ...]]) -> KerasSlice:
-    """`sliced` (a `js.Sliced` of `target`) as a `KerasSlice` holding its variables."""
-    by_key = {keys[id(v)]: v for v in target.variables}
-    flat, treedef = jax.tree_util.tree_flatten_with_path(sliced.variables)
-    held = [by_key[path_names(path)] for path, _ in flat]
-    return KerasSlice(sliced, held, treedef)
