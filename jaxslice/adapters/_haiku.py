@@ -159,11 +159,7 @@ class HaikuAdapter(Adapter):
         return HaikuSliced(sliced, stateful=self._stateful(target), takes_rng=_takes_rng(target))
 
     def edited_view(self, target: Any, edited: Any) -> Any:
-        from ._haiku_slice import HaikuSliced
-
-        return HaikuSliced(
-            edited.sliced, stateful=self._stateful(target), takes_rng=_takes_rng(target)
-        )
+        return self.sliced_view(target, edited.sliced)  # as a slice of the model is
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
         names = keywords_of(target.apply)
