@@ -40,6 +40,12 @@ def __getattr__(name: str) -> Any:
         from .adapters._nnx_module import SlicedModule
 
         return SlicedModule
+    # `KerasSlice` is a `keras.Model`, loaded the same way (a Keras slice, or this
+    # attribute, which also registers it for `keras.saving.load_model`).
+    if name == "KerasSlice":
+        from .adapters._keras_model import KerasSlice
+
+        return KerasSlice
     raise AttributeError(f"module 'jaxslice' has no attribute {name!r}")
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from . import _compat
 from ._core.program import SliceProgram
 from ._sliced import Sliced
+from .adapters._base import ENTRY_POINTS
 
 
 def slice(target: Any, *args: Any, start: Any = None, end: Any = None, **kwargs: Any) -> Any:  # noqa: A001
@@ -49,6 +50,9 @@ def slice(target: Any, *args: Any, start: Any = None, end: Any = None, **kwargs:
     """
     program = SliceProgram.build(target, args, kwargs, start, end)
     return view(program, target)
+
+
+ENTRY_POINTS["slice"] = slice
 
 
 def view(program: SliceProgram, target: Any = None) -> Any:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import CoverageCNN, captured, random_input, random_variables
 
 import jaxslice as js
+
+from conftest import CoverageCNN, captured, random_input, random_variables
 
 CNN = CoverageCNN
 

@@ -18,9 +18,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_trees_all_close, count_compiles, random_input
 
 import jaxslice as js
+
+from conftest import assert_trees_all_close, count_compiles, random_input
 
 TRACES = collections.Counter()
 

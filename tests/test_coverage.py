@@ -21,6 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jaxslice as js
+
 from conftest import (
     CoverageCNN,
     CoverageMLP,
@@ -30,8 +33,6 @@ from conftest import (
     random_variables,
 )
 from coverage_reference import assert_result, nc_values, neurons
-
-import jaxslice as js
 
 C = js.coverage
 MARGIN = 1e-5  # decisions closer than this to their edge are rejected by the reference

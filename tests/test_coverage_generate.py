@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import captured, random_variables
-from coverage_reference import KINDS, nc_values, neurons
 
 import jaxslice as js
+
+from conftest import captured, random_variables
+from coverage_reference import KINDS, nc_values, neurons
 
 C = js.coverage
 RATIO = 2.0

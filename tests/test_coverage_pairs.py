@@ -18,6 +18,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jaxslice as js
+
 from conftest import (
     SCAN_LAYERS,
     CoverageCNN,
@@ -29,8 +32,6 @@ from conftest import (
     scan_unrolled_params,
 )
 from coverage_reference import KINDS, Spec, assert_result, neurons, ref_pairs, ref_result
-
-import jaxslice as js
 
 C = js.coverage
 

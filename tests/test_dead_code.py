@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import count_eqns, count_primitive, iter_eqns, random_input
 
 import jaxslice as js
+
+from conftest import count_eqns, count_primitive, iter_eqns, random_input
 
 MARKER_PRIMITIVE = "name"  # markers are `checkpoint_name` equations; none may survive
 

@@ -10,9 +10,10 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from conftest import assert_trees_all_close
 
 import jaxslice as js
+
+from conftest import assert_trees_all_close
 
 DEPTH = 150
 

@@ -18,6 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+import jaxslice as js
+
 from conftest import (
     Identity,
     ResBlock,
@@ -27,8 +30,6 @@ from conftest import (
     random_input,
     record_calls,
 )
-
-import jaxslice as js
 
 # --------------------------------------------------------------------------- models and oracles
 

@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import import_keras, keras_block_model, random_input
 
 import jaxslice as js
+
+from conftest import import_keras, keras_block_model, random_input
 
 X = random_input(0, (5, 4))
 

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import SCAN_LAYERS, SCAN_WIDTH, ScannedModel, iter_eqns
 
 import jaxslice as js
+
+from conftest import SCAN_LAYERS, SCAN_WIDTH, ScannedModel, iter_eqns
 
 N, D = SCAN_LAYERS, SCAN_WIDTH  # the shared scanned model's layers and width
 Scanned = ScannedModel

@@ -15,9 +15,9 @@ import pytest
 
 nnx = pytest.importorskip("flax.nnx")
 
-from conftest import SCAN_WIDTH, eager_rows, nnx_scanned  # noqa: E402
-
 import jaxslice as js  # noqa: E402
+
+from conftest import SCAN_WIDTH, eager_rows, nnx_scanned  # noqa: E402
 
 N, D = 4, SCAN_WIDTH
 X = jnp.asarray(np.random.default_rng(0).normal(size=(5, 4)), jnp.float32)

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_all_close, leaf_paths
 
 import jaxslice as js
+
+from conftest import assert_trees_all_close, leaf_paths
 
 # --------------------------------------------------------------------------- model and oracles
 

@@ -14,9 +14,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_trees_all_close, captured, random_input, random_variables
 
 import jaxslice as js
+
+from conftest import assert_trees_all_close, captured, random_input, random_variables
 
 
 class Block(nn.Module):

@@ -68,6 +68,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jaxslice as js
+
 from conftest import (
     assert_trees_all_close,
     assert_trees_equal,
@@ -78,8 +81,6 @@ from conftest import (
     pair_verdict,
     random_variables,
 )
-
-import jaxslice as js
 
 B = 2  # batch
 HW = 4  # image height and width

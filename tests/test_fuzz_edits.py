@@ -21,10 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import test_fuzz_scan as fz
-from conftest import large_fuzz_seeds
 
 import jaxslice as js
+
+import test_fuzz_scan as fz
+from conftest import large_fuzz_seeds
 
 
 def _editable(o: fz.Oracle) -> list[str]:

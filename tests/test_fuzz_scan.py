@@ -84,10 +84,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import flat_ends, large_fuzz_seeds, leaf_paths, pair_verdict, random_variables
 from flax import nnx
 
 import jaxslice as js
+
+from conftest import flat_ends, large_fuzz_seeds, leaf_paths, pair_verdict, random_variables
 
 B = 2  # batch
 D_IN = 3  # model input features

@@ -20,10 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_all_close
 from flax import nnx
 
 import jaxslice as js
+
+from conftest import assert_trees_all_close
 
 # --------------------------------------------------------------------------- models
 

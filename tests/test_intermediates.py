@@ -13,6 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jaxslice as js
+
 from conftest import (
     RESNET_NAMES,
     assert_trees_all_close,
@@ -21,8 +24,6 @@ from conftest import (
     random_input,
     random_variables,
 )
-
-import jaxslice as js
 
 # --------------------------------------------------------------------------- linen
 

@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_all_close, import_keras, keras_block_model, random_input
 
 import jaxslice as js
+
+from conftest import assert_trees_all_close, import_keras, keras_block_model, random_input
 
 RNG = np.random.default_rng(2024)
 

@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_all_close, random_input, random_variables
 
 import jaxslice as js
+
+from conftest import assert_trees_all_close, random_input, random_variables
 
 # --------------------------------------------------------------------------- model
 

@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import import_keras, keras_block_model
 
 import jaxslice as js
+
+from conftest import import_keras, keras_block_model
 
 
 def close(a, b, tol=1e-5):

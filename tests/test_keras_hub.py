@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import import_keras
 
 import jaxslice as js
+
+from conftest import import_keras
 
 keras = import_keras()
 keras_hub = pytest.importorskip("keras_hub")

@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import import_keras, keras_block_model
 
 import jaxslice as js
+
+from conftest import import_keras, keras_block_model
 
 X = np.random.default_rng(0).normal(size=(3, 4)).astype("float32")
 

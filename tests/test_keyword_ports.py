@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_all_close, import_keras, random_input, record_calls
 
 import jaxslice as js
+
+from conftest import assert_trees_all_close, import_keras, random_input, record_calls
 
 B = 2
 X = random_input(31, (B, 4))

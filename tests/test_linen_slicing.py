@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jaxslice as js
+
 from conftest import (
     RESNET_NAMES,
     AutoEncoder,
@@ -24,8 +27,6 @@ from conftest import (
     random_variables,
     record_calls,
 )
-
-import jaxslice as js
 
 # --------------------------------------------------------------------------- helpers
 

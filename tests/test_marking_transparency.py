@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jaxslice as js
+
 from conftest import (
     assert_trees_all_close,
     assert_trees_equal,
@@ -19,8 +22,6 @@ from conftest import (
     random_variables,
     record_calls,
 )
-
-import jaxslice as js
 
 X = random_input(21, (2, 3))
 

@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import import_keras
 from flax import nnx
 
 import jaxslice as js
+
+from conftest import import_keras
 
 X = jax.random.normal(jax.random.key(1), (6, 3))
 

@@ -11,13 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jaxslice as js
+
 from conftest import (
     assert_trees_all_close,
     assert_variables_are_subset_of,
     random_input,
 )
-
-import jaxslice as js
 
 RNG = np.random.default_rng(7)
 

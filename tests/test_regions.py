@@ -10,9 +10,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_trees_all_close
 
 import jaxslice as js
+
+from conftest import assert_trees_all_close
 
 
 def region(a, b):

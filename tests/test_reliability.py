@@ -29,11 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_all_close, random_input, record_calls
 from flax import errors as flax_errors
 from flax import nnx
 
 import jaxslice as js
+
+from conftest import assert_trees_all_close, random_input, record_calls
 
 # --------------------------------------------------------------------------- helpers
 

@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import RESNET_NAMES, leaf_paths, make_zoo, random_input
 
 import jaxslice as js
+
+from conftest import RESNET_NAMES, leaf_paths, make_zoo, random_input
 
 needs_dot = pytest.mark.skipif(
     shutil.which("dot") is None, reason="Graphviz `dot` is not installed"

@@ -12,6 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+
+import jaxslice as js
+
 from conftest import (
     SCAN_LAYERS,
     SCAN_WIDTH,
@@ -24,9 +28,6 @@ from conftest import (
     nnx_scanned,
     scan_unrolled_params,
 )
-from flax import nnx
-
-import jaxslice as js
 
 N = SCAN_LAYERS
 D = SCAN_WIDTH

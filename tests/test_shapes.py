@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_all_close, captured, count_compiles, random_input, record_calls
 
 import jaxslice as js
+
+from conftest import assert_trees_all_close, captured, count_compiles, random_input, record_calls
 
 # --------------------------------------------------------------------------- linen
 

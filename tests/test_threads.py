@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_all_close, assert_trees_equal
 from flax import nnx
 
 import jaxslice as js
+
+from conftest import assert_trees_all_close, assert_trees_equal
 
 N_THREADS = 4
 ROUNDS = 2

@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+import jaxslice as js
+
 from conftest import assert_trees_all_close as assert_close
 from conftest import random_input as rand
 from conftest import random_variables
-
-import jaxslice as js
 
 # Incremented each time `Tap.__call__` runs, i.e. each time the model is traced or run
 # eagerly. Tests read differences around calls of a slice, where it only counts traces.

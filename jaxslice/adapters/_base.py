@@ -19,6 +19,11 @@ import jax
 
 from .._trees import is_traced_leaf, join_name, path_names
 
+#: jaxslice's entry points, by name, set by the modules that define them as they are
+#: imported (``"slice"``: `js.slice`). Adapters sit below those modules, but a slice
+#: class that Keras rebuilds from a file (`KerasSlice.from_config`) must slice again.
+ENTRY_POINTS: dict[str, Callable[..., Any]] = {}
+
 
 @dataclasses.dataclass
 class Split:

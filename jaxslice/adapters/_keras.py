@@ -220,7 +220,11 @@ class KerasAdapter(CollectionNodes, Adapter):
         """A `keras.Model` sharing the model's variables (`_keras_model.KerasSlice`)."""
         from ._keras_model import KerasSlice
 
-        return KerasSlice(sliced, held_variables(target, sliced.variables)[0])
+        keys = variable_keys(target)
+        by_key = {keys[id(v)]: v for v in target.variables}
+        return KerasSlice(
+            sliced, by_key, {path: layer for path, layer in layer_paths(target).values()}
+        )
 
     def assign(self, model: Any, variables: Any) -> None:
         keys = variable_keys(model)
