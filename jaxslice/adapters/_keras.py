@@ -36,7 +36,7 @@ from typing import Any
 import jax
 
 from .._errors import InvalidSpecError, SliceError, UnsupportedTargetError
-from .._trees import path_names
+from .._trees import nest, path_names
 from ._base import (
     Adapter,
     CollectionNodes,
@@ -121,13 +121,8 @@ def _unique(prefix: tuple[str, ...], name: str, taken: set[tuple[str, ...]]) -> 
 
 
 def _nested(pairs: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {group: {} for group in GROUPS}
-    for key, value in pairs:
-        node = out
-        for part in key[:-1]:
-            node = node.setdefault(part, {})
-        node[key[-1]] = value
-    return out
+    """The nested dict of `(key path, value)` pairs, both groups always present."""
+    return {group: {} for group in GROUPS} | nest([k for k, _ in pairs], [v for _, v in pairs])
 
 
 def _weights(variables: Any) -> dict[tuple[str, ...], int]:

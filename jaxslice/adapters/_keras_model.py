@@ -33,7 +33,7 @@ import numpy as np
 
 from .._core.view import ProgramView
 from .._errors import InvalidSpecError, SliceError
-from .._trees import path_names
+from .._trees import nest, path_names
 from ._base import ENTRY_POINTS
 
 NOT_SAVABLE = (
@@ -50,16 +50,6 @@ def _spec(x: Any) -> dict[str, Any]:
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, dict) and set(x) == {"shape", "dtype"}
-
-
-def _nest(pairs: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        node = out
-        for part in key[:-1]:
-            node = node.setdefault(part, {})
-        node[key[-1]] = value
-    return out
 
 
 def _zeros(tree: Any) -> Any:
@@ -198,7 +188,8 @@ class KerasSlice(ProgramView, keras.Model):
         # Training mode: read what that mode reads, and assign the new moving statistics
         # and seed states to the model's variables, as Keras's layers assign them (in
         # `fit`, to the scope's).
-        values = _nest([(k, by_key[k].value) for k in self._held_keys()])
+        keys = self._held_keys()
+        values = nest(keys, [by_key[k].value for k in keys])
         program = self._slice_program()
         out, state = program.apply(values, args, kwargs, None, ["non_trainable"], strict=False)
         for path, value in jax.tree_util.tree_flatten_with_path(state)[0]:
