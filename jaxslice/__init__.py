@@ -43,8 +43,13 @@ def __getattr__(name: str) -> Any:
     # `KerasSlice` is a `keras.Model`, loaded the same way (a Keras slice, or this
     # attribute, which also registers it for `keras.saving.load_model`).
     if name == "KerasSlice":
-        from .adapters._keras_model import KerasSlice
-
+        try:
+            from .adapters._keras_model import KerasSlice
+        except ImportError as error:
+            raise ImportError(
+                "js.KerasSlice is a keras.Model, so it needs Keras 3: pip install keras "
+                f"(importing it failed: {error})"
+            ) from error
         return KerasSlice
     raise AttributeError(f"module 'jaxslice' has no attribute {name!r}")
 

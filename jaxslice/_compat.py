@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -31,6 +30,8 @@ from jax._src import core as _jax_core
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _tbu
 from jax.ad_checkpoint import checkpoint_name
+
+from ._shared import SHARED
 
 MARKER_PREFIX = "jaxslice:"
 
@@ -343,8 +344,6 @@ def current_trace() -> Any:
 # init_fn, *init_args, unbox=True, **init_kwargs)`); the patch is absent where the
 # method is not found.
 _INITIALIZER_MODULES = frozenset({"jax._src.nn.initializers", "jax.nn.initializers"})
-_param_patch: dict[str, Any] = {"users": 0, "original": None}
-_PARAM_LOCK = threading.Lock()
 
 
 def _given_shape(init_fn: Any, init_args: tuple[Any, ...]) -> tuple[int, ...] | None:
@@ -378,22 +377,17 @@ def _quick_param(original: Callable[..., Any]) -> Callable[..., Any]:
     return param
 
 
-@contextlib.contextmanager
-def quick_param_checks() -> Iterator[None]:
+def quick_param_checks() -> contextlib.AbstractContextManager[None]:
     """Inside the block, linen checks the shapes of parameters made by JAX's own
-    initializers without tracing them (reference-counted across threads)."""
+    initializers without tracing them (shared by overlapping traces, `_shared`)."""
+    return SHARED.held({"linen Scope.param": _patch_param})
+
+
+def _patch_param() -> Callable[[], None]:
     from flax.core import scope
 
-    with _PARAM_LOCK:
-        if _param_patch["users"] == 0:
-            _param_patch["original"] = scope.Scope.__dict__.get("param")
-            if _param_patch["original"] is not None:
-                scope.Scope.param = _quick_param(_param_patch["original"])
-        _param_patch["users"] += 1
-    try:
-        yield
-    finally:
-        with _PARAM_LOCK:
-            _param_patch["users"] -= 1
-            if _param_patch["users"] == 0 and _param_patch["original"] is not None:
-                scope.Scope.param = _param_patch["original"]
+    original = scope.Scope.__dict__.get("param")
+    if original is None:
+        return lambda: None
+    scope.Scope.param = _quick_param(original)
+    return lambda: setattr(scope.Scope, "param", original)

@@ -50,10 +50,9 @@ import jax
 
 from . import _compat
 from ._core.markers import INPUT, OUTPUT
-from ._core.names import STACKED, Resolver, fill, parse
+from ._core.names import Resolver, parse
 from ._core.program import SliceProgram
 from ._core.trace import Traced, trace
-from ._core.view import DrawsInline
 from ._edit_nodes import (
     Edit,
     Node,
@@ -63,31 +62,27 @@ from ._edit_nodes import (
     describe_shapes,
     new_node,
     same_shapes,
+    site_of,
 )
 from ._edited import Built, Edited, EditedAdapter, EditedModel, EditPlan
-from ._errors import InvalidSpecError, SliceError
+from ._errors import (
+    CallInputNameTakenError,
+    EditBreaksModelError,
+    NodeNameError,
+    NodeNameTakenError,
+    NotEvaluatedError,
+    PortSuffixError,
+    RemoveMismatchError,
+    SharedModuleReplaceError,
+    SliceError,
+)
 from ._slice import view
 from ._table import BoundaryTable, describe
 from ._trees import joined_key
+from ._view import DrawsInline
 
 # Keywords the edited model's `apply` takes itself: no call-time input may be named so.
 RESERVED = frozenset({"rngs", "mutable", "variables"})
-REMOVE_MISMATCH = (
-    "Cannot remove {name!r}: removing bypasses a module (its output becomes its input), so "
-    "its input and output must have the same structure, shapes and dtypes, but\n"
-    "  input:  {inp}\n  output: {out}\n"
-    "Use `replace({name!r}, fn)` with a function that maps one to the other instead."
-)
-BREAKS_MODEL = (
-    "{what} breaks the model after it: {error}\n"
-    "The new node must return what the rest of the model reads (same structure, shapes and "
-    "dtypes), unless nothing reads that value afterwards (a new head, say)."
-)
-WHOLE_CALLS = (
-    "{op}({name!r}) acts on a whole module call, so it takes no port suffix; use "
-    "{op}({base!r}). To change only what a module receives, use "
-    "insert_after({base_input!r}, fn)."
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +145,7 @@ class Editor(DrawsInline):
             except SliceError:
                 raise
             except Exception as error:
-                raise SliceError(BREAKS_MODEL.format(what=probe, error=error)) from error
+                raise EditBreaksModelError(what=probe, error=error) from error
         return new
 
     # ------------------------------------------------------------------ edits
@@ -244,10 +239,8 @@ class Editor(DrawsInline):
         if site.name not in self._tables.inserted:
             inp, out = self._value_at(site, INPUT), self._value_at(site, OUTPUT)
             if not same_shapes(inp, out):
-                raise SliceError(
-                    REMOVE_MISMATCH.format(
-                        name=site.name, inp=describe_shapes(inp), out=describe_shapes(out)
-                    )
+                raise RemoveMismatchError(
+                    name=site.name, inp=describe_shapes(inp), out=describe_shapes(out)
                 )
         return self._commit(Edit("remove", site), None)
 
@@ -348,33 +341,12 @@ class Editor(DrawsInline):
         return {"rngs": program.base.traced.split.rngs, "mutable": mutable}
 
     def _site(self, spec: Any) -> Site:
-        """Where `spec` points: a boundary (an iteration of one inside scans, or all of
-        them) or an inserted node, and the port (the output unless ``:input``)."""
-        if isinstance(spec, str):
-            base, _, port = parse(spec)
-            if base in self._tables.inserted:
-                node = self._tables.inserted[base]
-                return dataclasses.replace(node.site, name=base, port=port or OUTPUT, key=base)
-        ref = self._base.resolver.loop_ref(spec, OUTPUT)
-        if ref is None:
-            call, port = self._base.resolver.resolve(spec, OUTPUT)
-            return Site(call.qualname, port, call.qualname)
-        call, sites = ref.call, ref.call.loop.chain()
-        suffix = "" if call.count == 1 else f"@{call.index}"
-        stacked = fill(call.template, [STACKED] * len(ref.path)) + suffix
-        depths = tuple(d for d, k in enumerate(ref.path) if k == STACKED)
-        lengths = tuple(sites[d].length for d in depths)
-        when = tuple((depth, k) for depth, k in enumerate(ref.path) if k != STACKED)
-        name = fill(call.template, ref.path) + suffix
-        return Site(name, ref.side, stacked, lengths, depths, when)
+        return site_of(spec, self._base.resolver, self._tables)
 
     def _whole_call(self, op: str, spec: str) -> Site:
         site = self._site(spec)
         if isinstance(spec, str) and parse(spec)[2] is not None:
-            base = spec.rpartition(":")[0]
-            raise InvalidSpecError(
-                WHOLE_CALLS.format(op=op, name=spec, base=base, base_input=f"{base}:input")
-            )
+            raise PortSuffixError.of(op, spec)
         return site
 
     def _value_at(self, site: Site, port: str) -> Any:
@@ -382,11 +354,7 @@ class Editor(DrawsInline):
         known = self._shapes()
         found = known.get((site.name, port), known.get((site.key, port)))
         if found is None:
-            raise SliceError(
-                f"{site.name!r} ({port}) is not evaluated in the edited model (a call inside a "
-                "one iteration of a loop, or one whose loop body drops it). Edit at an "
-                "enclosing call, or at every iteration with [:]."
-            )
+            raise NotEvaluatedError(name=site.name, port=port)
         return found
 
     def _check_replaceable(self, site: Site, node: Node) -> None:
@@ -396,11 +364,7 @@ class Editor(DrawsInline):
             return
         call, _ = self._base.resolver.resolve(site.name, OUTPUT)
         if call.count > 1:
-            raise InvalidSpecError(
-                f"{call.name!r} is a module called {call.count} times; replacing one call by a "
-                "module with its own variables would give two modules one name. Replace it with "
-                "a function, or insert the new module with `insert_after` and remove the call."
-            )
+            raise SharedModuleReplaceError(name=call.name, count=call.count)
 
     def _new_node(
         self,
@@ -421,10 +385,7 @@ class Editor(DrawsInline):
         keywords |= self._base.program.adapter.accepted_keywords(self._target) or set()
         clash = [n for n in names if n in taken or n in keywords]
         if clash:
-            raise InvalidSpecError(
-                f"The call-time input name(s) {clash} are already taken by another node or by "
-                "the model's own keyword arguments; pick other names."
-            )
+            raise CallInputNameTakenError(names=clash)
         adapter = self._base.program.adapter
         lead = len(site.lengths)  # a module is made for one iteration's values
         rows = tuple(jax.ShapeDtypeStruct(s.shape[lead:], s.dtype) for s in samples)
@@ -441,13 +402,9 @@ class Editor(DrawsInline):
 
     def _check_new_name(self, name: str) -> None:
         if not isinstance(name, str) or not name or "@" in name or ":" in name:
-            raise InvalidSpecError(
-                f"A node name must be a non-empty string without '@' or ':', got {name!r}."
-            )
+            raise NodeNameError(name=name)
         if name in self._base.taken or name in self._tables.inserted:
-            raise InvalidSpecError(
-                f"{name!r} is already taken by a boundary or a variable; pick another `name=`."
-            )
+            raise NodeNameTakenError(name=name)
 
     def _shapes(self) -> dict[tuple[str, str], Any]:
         """Shapes at every boundary of the edited model as it stands (probed once)."""

@@ -21,7 +21,15 @@ from typing import Any
 import jax
 
 from ._core.markers import OUTPUT
-from ._errors import InvalidSpecError
+from ._core.names import STACKED, Resolver, fill, parse
+from ._errors import (
+    CallInputLikeError,
+    CallInputNamesError,
+    CallInputRowsError,
+    NodeKeyError,
+    NotANodeError,
+    UnstackedNodeError,
+)
 from .adapters._base import NewModule
 
 
@@ -161,6 +169,28 @@ class Tables:
         }
 
 
+def site_of(spec: Any, resolver: Resolver, tables: Tables) -> Site:
+    """Where `spec` points: a boundary (an iteration of one inside scans, or all of
+    them) or an inserted node, and the port (the output unless ``:input``)."""
+    if isinstance(spec, str):
+        base, _, port = parse(spec)
+        if base in tables.inserted:
+            node = tables.inserted[base]
+            return dataclasses.replace(node.site, name=base, port=port or OUTPUT, key=base)
+    ref = resolver.loop_ref(spec, OUTPUT)
+    if ref is None:
+        call, port = resolver.resolve(spec, OUTPUT)
+        return Site(call.qualname, port, call.qualname)
+    call, sites = ref.call, ref.call.loop.chain()
+    suffix = "" if call.count == 1 else f"@{call.index}"
+    stacked = fill(call.template, [STACKED] * len(ref.path)) + suffix
+    depths = tuple(d for d, k in enumerate(ref.path) if k == STACKED)
+    lengths = tuple(sites[d].length for d in depths)
+    when = tuple((depth, k) for depth, k in enumerate(ref.path) if k != STACKED)
+    name = fill(call.template, ref.path) + suffix
+    return Site(name, ref.side, stacked, lengths, depths, when)
+
+
 def is_linen(obj: Any) -> bool:
     from .adapters._linen import LinenAdapter
 
@@ -179,18 +209,13 @@ def new_node(
         found = NewModule(lambda v, *a: obj.apply(v, *a), init=lambda k: dict(obj.init(k, *zeros)))
     if found is None:
         if not callable(obj):
-            raise InvalidSpecError(
-                f"Expected a function or a module of the model's library, got {type(obj).__name__}."
-            )
+            raise NotANodeError(kind=type(obj).__name__)
         return Node(name, lambda v, *a: obj(*a), None, None)
     if found.init is None:
         check_rows(name, found.variables, site)
         variables = found.variables
     elif key is None:
-        raise InvalidSpecError(
-            f"The module {type(obj).__name__} needs `key=` to initialise its variables, e.g. "
-            "key=jax.random.key(0)."
-        )
+        raise NodeKeyError(kind=type(obj).__name__)
     else:
         variables = init_rows(found.init, key, site.lengths)
     return Node(name, found.fn, obj, variables, structure_of=found.structure)
@@ -219,12 +244,8 @@ def check_rows(name: str, variables: Any, site: Site) -> None:
         if tuple(jax.numpy.shape(x)[:lead]) != site.lengths
     ]
     if bad:
-        raise InvalidSpecError(
-            f"{name!r} is inserted at {site.name!r}, in every iteration of a loop, so its "
-            f"variables need leading axes {list(site.lengths)} (one row per iteration), as "
-            f"the model's own scanned layers have; it has variables of shapes {bad[:3]}. "
-            "Create it stacked, e.g. with `nnx.vmap` over split keys "
-            "(`nnx.vmap(lambda k: Lora(rngs=nnx.Rngs(k)))(jax.random.split(key, n))`)."
+        raise UnstackedNodeError(
+            name=name, site=site.name, lengths=list(site.lengths), shapes=bad[:3]
         )
 
 
@@ -236,26 +257,17 @@ def call_input_specs(inputs: Any, like: Any, site: Site) -> tuple[tuple[str, ...
     given = dict(inputs) if isinstance(inputs, Mapping) else dict.fromkeys(inputs)
     bad = [n for n in given if not (isinstance(n, str) and n.isidentifier())]
     if bad:
-        raise InvalidSpecError(
-            f"Call-time inputs are named by Python identifiers (they are keyword arguments "
-            f"of the edited model); got {bad}."
-        )
+        raise CallInputNamesError(names=bad)
     samples = []
     for name, sample in given.items():
         if sample is None:
             if not hasattr(like, "shape"):
-                raise InvalidSpecError(
-                    f"The call-time input {name!r} cannot take the shape of the value at "
-                    f"{site.name!r}, which is not one array; give it as "
-                    f"inputs={{{name!r}: jax.ShapeDtypeStruct(shape, dtype)}}."
-                )
+                raise CallInputLikeError(name=name, site=site.name)
             sample = jax.ShapeDtypeStruct((*site.lengths, *like.shape), like.dtype)
         sample = jax.ShapeDtypeStruct(jax.numpy.shape(sample), jax.numpy.result_type(sample))
         if tuple(sample.shape[: len(site.lengths)]) != site.lengths:
-            raise InvalidSpecError(
-                f"The call-time input {name!r} at {site.name!r} needs leading axes "
-                f"{list(site.lengths)} (one row per iteration); its example has shape "
-                f"{list(sample.shape)}."
+            raise CallInputRowsError(
+                name=name, site=site.name, lengths=list(site.lengths), shape=list(sample.shape)
             )
         samples.append(sample)
     return tuple(given), tuple(samples)

@@ -29,22 +29,24 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
+from ._core import exporting
 from ._core.checks import check_mutable
 from ._core.evaluate import BoundaryEvent, Hooks
 from ._core.evaluate import evaluate as evaluate_graph
 from ._core.markers import INPUT, OUTPUT, Origin, is_marking, mark_side, new_record
 from ._core.program import SliceProgram
 from ._edit_nodes import Node, Tables, describe_shapes, same_shapes
-from ._errors import InputMismatchError, InvalidSpecError
+from ._errors import (
+    CallInputDtypeError,
+    CallInputsRejectedError,
+    MissingCallInputsError,
+    NoPlaceForVariablesError,
+    UnknownCallKeywordsError,
+)
 from ._sliced import Sliced
-from ._trees import abstract_tree, is_traced_leaf, joined_key, nest, prune
+from ._trees import is_traced_leaf, joined_key, nest, prune
 from .adapters._base import Adapter, Split
 from .adapters._plain import PlainAdapter
-
-CALL_INPUTS = (
-    "The edited model takes the call-time input(s) {names} as keyword arguments: "
-    "`edited(*inputs, {example})`. {problem}"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,19 +87,19 @@ class EditPlan:
                 live = adapter.live_variables(self.target)
                 model = {joined_key(p): v for p, v in live.items()}
             return {"model": model, "nodes": {n.name: n.variables for n in nodes}}
+        return self._nested_variables(nodes) if nodes else self.variables
+
+    def _nested_variables(self, nodes: list[Node]) -> Any:
+        """Linen's and plain functions' layout: the model's variables (less those new
+        modules replace) with each new module's under its node name."""
         base = self.variables
-        if not nodes:
-            return base
         if not isinstance(base, Mapping):
-            raise InvalidSpecError(
-                "New modules bring variables, but the model's variables are not a dict, so "
-                "there is no place for them. Use a dict of parameters, or insert plain functions."
-            )
+            raise NoPlaceForVariablesError()
         flat = jax.tree_util.tree_flatten_with_path(base)[0]
         out = prune(base, {p for p, _ in flat if self.owner(p) is None}) or {}
         out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in out.items()}
         for node in nodes:
-            adapter.with_node(out, node.name, node.variables)
+            self.program.adapter.with_node(out, node.name, node.variables)
         return out
 
     def model_values(self, variables: Any) -> dict[Any, Any]:
@@ -206,28 +208,32 @@ class Edited(Sliced):
         `variables` replaces `self.variables`; `pick` selects from the result.
         """
         program = self._slice_program()
-        program.check_exportable()
-        dim = jax.export.symbolic_shape(batch)[0] if batch is not None else None
-        args, kwargs = program.input_specs(dim)
-        sample_args, _ = program.input_specs(None)
-        leaves = jax.tree_util.tree_leaves(sample_args)
-        size = leaves[0].shape[0] if leaves and leaves[0].shape else None
-        for name, (node, sample) in self._call_inputs.items():
-            shape, lead = list(sample.shape), len(node.stacked)
-            if dim is not None and len(shape) > lead and shape[lead] == size:
-                shape[lead] = dim
-            kwargs[name] = jax.ShapeDtypeStruct(tuple(shape), sample.dtype)
-        built_in = self.variables if variables is None else variables
+
+        def call_inputs(dim: Any) -> dict[str, Any]:
+            leaves = jax.tree_util.tree_leaves(program.input_specs(None)[0])
+            size = leaves[0].shape[0] if leaves and leaves[0].shape else None
+            specs = {}
+            for name, (node, sample) in self._call_inputs.items():
+                shape, lead = list(sample.shape), len(node.stacked)
+                if dim is not None and len(shape) > lead and shape[lead] == size:
+                    shape[lead] = dim
+                specs[name] = jax.ShapeDtypeStruct(tuple(shape), sample.dtype)
+            return specs
+
         pick = pick or (lambda out: out)
 
         def run(v: Any, /, *inputs: Any, **kw: Any) -> Any:  # call-time inputs may be `v`
             return pick(self.apply(v, *inputs, **kw))
 
-        if variables_as_input:
-            fn, args = run, [abstract_tree(built_in), *args]
-        else:
-            fn = lambda *inputs, **kw: run(built_in, *inputs, **kw)  # noqa: E731
-        return jax.export.export(jax.jit(fn), platforms=platforms)(*args, **kwargs)
+        return exporting.export(
+            program.base,
+            run,
+            self.variables if variables is None else variables,
+            batch=batch,
+            variables_as_input=variables_as_input,
+            platforms=platforms,
+            more_inputs=call_inputs,
+        )
 
 
 class EditedModel:
@@ -270,27 +276,16 @@ def take_call_inputs(plan: EditPlan, kwargs: dict[str, Any]) -> dict[str, Any]:
     accepted = plan.program.adapter.accepted_keywords(plan.program.target)
     extra = [k for k in kwargs if accepted is not None and k not in accepted]
     if extra and expected:
-        raise InputMismatchError(
-            CALL_INPUTS.format(
-                names=list(expected),
-                example=", ".join(f"{n}=..." for n in expected),
-                problem=f"Neither call-time inputs nor keywords of the model: {extra}.",
-            )
-        )
+        raise UnknownCallKeywordsError.of(expected, extra=extra)
     check_call_inputs(expected, given)
     return given
 
 
 def check_call_inputs(expected: dict[str, tuple[Node, Any]], given: dict[str, Any]) -> None:
     """Every call-time input given, each with its dtype and its loops' leading axes."""
-    example = ", ".join(f"{n}=..." for n in expected)
     missing = [n for n in expected if n not in given]
     if missing:
-        raise InputMismatchError(
-            CALL_INPUTS.format(
-                names=list(expected), example=example, problem=f"Missing: {missing}."
-            )
-        )
+        raise MissingCallInputsError.of(expected, missing=missing)
     for name, value in given.items():
         node, sample = expected[name]
         shape, dtype = jax.numpy.shape(value), jax.numpy.result_type(value)
@@ -299,14 +294,8 @@ def check_call_inputs(expected: dict[str, tuple[Node, Any]], given: dict[str, An
             need = (
                 f"{sample.dtype} with leading axes {list(node.stacked)}" if lead else sample.dtype
             )
-            raise InputMismatchError(
-                CALL_INPUTS.format(
-                    names=list(expected),
-                    example=example,
-                    problem=f"{name!r} must be {need} (like {sample.dtype}"
-                    f"{list(sample.shape)}); got {dtype}{list(shape)}.",
-                )
-            )
+            like, got = f"{sample.dtype}{list(sample.shape)}", f"{dtype}{list(shape)}"
+            raise CallInputDtypeError.of(expected, name=name, need=need, like=like, got=got)
 
 
 class EditHooks(Hooks):
@@ -445,19 +434,12 @@ def _shapes_of(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype), tree)
 
 
-def _bad_call_inputs(node: Node, values: list[Any], error: Any) -> InputMismatchError:
-    given = ", ".join(
-        f"{n}: {describe_shapes(v)}" for n, v in zip(node.inputs, values, strict=True)
+def _bad_call_inputs(node: Node, values: list[Any], error: Any) -> CallInputsRejectedError:
+    given, examples = (
+        ", ".join(f"{n}: {describe_shapes(t)}" for n, t in zip(node.inputs, trees, strict=True))
+        for trees in (values, node.samples)
     )
-    return InputMismatchError(
-        f"The node {node.name!r} cannot take its call-time input(s) ({given}, one "
-        f"iteration's rows where stacked): {error}. Give them the shapes and dtypes of their "
-        f"examples: "
-        + ", ".join(
-            f"{n}: {describe_shapes(s)}" for n, s in zip(node.inputs, node.samples, strict=True)
-        )
-        + "."
-    )
+    return CallInputsRejectedError(node=node.name, given=given, error=error, examples=examples)
 
 
 _compat.register_frames_exclusion(__file__)

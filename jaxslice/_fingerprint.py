@@ -28,7 +28,7 @@ import enum
 import functools
 import sys
 import types
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 from ._trees import is_traced_leaf
@@ -94,16 +94,9 @@ class _Walk:
         if isinstance(x, types.FunctionType):
             cells = tuple(self.key(_cell(c)) for c in x.__closure__ or ())
             return x, cells, self.key(x.__defaults__), self.key(x.__kwdefaults__)
-        if dataclasses.is_dataclass(x):
-            return tuple((f.name, self.key(getattr(x, f.name, None))) for f in _fields(x))
-        if _hashes_by_value(x):
+        if not dataclasses.is_dataclass(x) and _hashes_by_value(x):
             return x
-        attributes = getattr(x, "__dict__", None)
-        if attributes is None:
-            raise Unkeyable(type(x).__name__)
-        return tuple(
-            (name, self.key(v)) for name, v in attributes.items() if not name.startswith(_INTERNAL)
-        )
+        return tuple((name, self.key(v)) for name, v in _attributes(x))
 
 
 # The parts that say what a container or a wrapped callable holds, in order.
@@ -125,6 +118,17 @@ def _cell(cell: Any) -> Any:
         return cell.cell_contents
     except ValueError:  # a cell not filled yet
         return None
+
+
+def _attributes(x: Any) -> Iterator[tuple[str, Any]]:
+    """``(name, value)`` of what an object holds: a dataclass's fields, or a plain object's
+    attributes (raises `Unkeyable` for an object that has neither)."""
+    if dataclasses.is_dataclass(x):
+        return ((f.name, getattr(x, f.name, None)) for f in _fields(x))
+    attributes = getattr(x, "__dict__", None)
+    if attributes is None:
+        raise Unkeyable(type(x).__name__)
+    return ((name, v) for name, v in attributes.items() if not name.startswith(_INTERNAL))
 
 
 def _fields(x: Any) -> list[dataclasses.Field[Any]]:

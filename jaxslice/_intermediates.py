@@ -15,7 +15,7 @@ from . import _compat
 from ._caches import LRU
 from ._core.program import SliceProgram
 from ._core.trace import trace
-from ._errors import InvalidSpecError
+from ._errors import NamesSpecError
 from ._fingerprint import model_key
 from ._trees import nest, tree_key
 from .adapters import adapter_for
@@ -32,10 +32,7 @@ def _names(names: Any) -> tuple[str, ...] | None:
         found = None
     if not found or not all(isinstance(n, str) for n in found):
         shown = list(found) if found is not None else names
-        raise InvalidSpecError(
-            "`names` must be a non-empty list of boundary names (strings), or None for "
-            f"every boundary; got {shown!r}."
-        )
+        raise NamesSpecError(names=shown)
     return found
 
 

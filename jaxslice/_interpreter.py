@@ -18,15 +18,10 @@ from ._core.evaluate import BoundaryEvent, Equation, Hooks
 from ._core.evaluate import evaluate as evaluate_graph
 from ._core.loops import written_out
 from ._core.program import SliceProgram
-from ._errors import VariablesMismatchError
+from ._errors import MissingModelVariablesError
 from ._trees import path_str
 
 __all__ = ["Equation", "Interpreter"]
-
-MISSING_VARIABLES = (
-    "The variables passed lack entries the model reads: {paths}. Pass the model's full "
-    "variables (for NNX, `nnx.state(model)`)."
-)
 
 
 class Interpreter(Hooks):
@@ -152,7 +147,7 @@ def variable_values(program: SliceProgram, graph: Any, variables: Any) -> list[A
     missing = [p for p in graph.variable_paths if p not in flat]
     if missing:
         paths = ", ".join(path_str(p) for p in missing[:6])
-        raise VariablesMismatchError(MISSING_VARIABLES.format(paths=paths))
+        raise MissingModelVariablesError(paths=paths)
     values = [flat[p] for p in graph.variable_paths]
     avals = [graph.avals[v] for v in graph.variable_ids]
     check_leaves(graph.variable_paths, values, avals)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-
 from . import _compat
+from ._core import exporting
 from ._core.program import SliceProgram
-from ._core.view import ProgramView
+from ._errors import SliceNotPicklableError
 from ._trees import abstract_tree
+from ._view import ProgramView
 
 
 class Sliced(ProgramView):
@@ -145,38 +145,27 @@ class Sliced(ProgramView):
         >>> head.export(variables_as_input=True).call(head.variables, jnp.ones((2, 4))).shape
         (2, 2)
         """
-        program = self._program
-        program.check_exportable()
-        dim = jax.export.symbolic_shape(batch)[0] if batch is not None else None
-        args, kwargs = program.input_specs(dim)
         # The slice reads no random keys, but re-tracing the model at the symbolic batch
         # size runs the whole model, whose other modules may need the keys it was sliced with.
-        rngs = program.sample_rngs
+        rngs = self._program.sample_rngs
 
         def run(variables: Any, *inputs: Any, **kw: Any) -> Any:
             return self.apply(variables, *inputs, rngs=rngs, **kw)
 
-        if variables_as_input:
-            fn, args = run, [abstract_tree(self.variables), *args]
-        else:
-            fn = lambda *inputs, **kw: run(self.variables, *inputs, **kw)  # noqa: E731
-        return jax.export.export(jax.jit(fn), platforms=platforms)(*args, **kwargs)
+        return exporting.export(
+            self._program.base,
+            run,
+            self.variables,
+            batch=batch,
+            variables_as_input=variables_as_input,
+            platforms=platforms,
+        )
 
     def __repr__(self) -> str:
         return f"Sliced({self._program.summary()})"
 
     def __reduce__(self) -> Any:
-        raise _compat_pickle_error()
-
-
-def _compat_pickle_error() -> Exception:
-    from ._errors import SliceError
-
-    return SliceError(
-        "A slice holds compiled programs and cannot be pickled or copied. Save "
-        "`sub.variables` (e.g. with `flax.serialization` or orbax) and the recipe (model, "
-        "start, end, sample input shapes), and slice again after loading."
-    )
+        raise SliceNotPicklableError()
 
 
 _compat.register_frames_exclusion(__file__)

@@ -13,34 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
-from .._errors import SliceError, VariablesMismatchError
+from .._errors import (
+    DeletedArrayError,
+    NoStateError,
+    TracedModeError,
+    UnaskedUpdatesError,
+    VariableShapeError,
+)
 from .._trees import describe_aval, is_traced_leaf, path_str
 from .plan import Plan
-
-LEAF_MISMATCH = (
-    "The variable {path} is {got}, but the slice was traced with {want}. Pass variables "
-    "of the model the slice was made from (its `sub.variables`, or the result of training "
-    "them); to use other shapes, slice the model again with them."
-)
-UNASKED_UPDATES = (
-    "In this mode the slice updates {names}; pass mutable={names} to get the updates "
-    "(as `(outputs, updates)`), as linen's `apply` requires."
-)
-NO_STATE = (
-    "mutable={wanted}, but the slice has no state there (it has {have}). Pass "
-    "mutable=False, or collections the slice's modules use (e.g. ['batch_stats'])."
-)
-TRACED_MODE = (
-    "The mode keyword {name}= is a traced value (inside `jax.jit`, `jax.grad` or "
-    "`jax.vmap`); a mode decides which program runs, so it must be a Python value. Mark "
-    "it static (`jax.jit(f, static_argnames=...)`) or pass a Python bool."
-)
-DELETED = (
-    "The {kind} at {path} ({aval}) has been deleted: it was donated to a jitted function "
-    "(`donate_argnums`, an optimizer step that donates its state) or `.delete()`d. Pass "
-    "live arrays: use the arrays that call returned, or copy them before donating "
-    "(`jax.tree.map(jnp.copy, sub.variables)`)."
-)
 
 
 def check_leaves(paths: Any, leaves: list[Any], avals: Any) -> None:
@@ -57,7 +38,7 @@ def _check_leaf(path: Any, leaf: Any, aval: Any) -> None:
     if tuple(shape) != tuple(aval.shape) or dtype is None or jnp.dtype(dtype) != aval.dtype:
         got = f"{jnp.result_type(leaf) if dtype is None else dtype}{list(shape)}"
         want = f"{aval.dtype}{list(aval.shape)}"
-        raise VariablesMismatchError(LEAF_MISMATCH.format(path=path_str(path), got=got, want=want))
+        raise VariableShapeError(path=path_str(path), got=got, want=want)
 
 
 def mode_value(name: str, value: Any) -> Any:
@@ -72,7 +53,7 @@ def mode_value(name: str, value: Any) -> Any:
     try:
         return np.asarray(value).item()
     except jax.errors.TracerArrayConversionError:
-        raise SliceError(TRACED_MODE.format(name=name)) from None
+        raise TracedModeError(name=name) from None
 
 
 def check_alive(variables: Any, inputs: Any, variable_paths: Any = None) -> None:
@@ -86,9 +67,7 @@ def check_alive(variables: Any, inputs: Any, variable_paths: Any = None) -> None
     named += [("input", p, x) for p, x in jax.tree_util.tree_flatten_with_path(inputs)[0]]
     for kind, path, leaf in named:
         if isinstance(leaf, _compat.CONCRETE_ARRAY) and leaf.is_deleted():
-            raise SliceError(
-                DELETED.format(kind=kind, path=path_str(path), aval=describe_aval(leaf))
-            )
+            raise DeletedArrayError(kind=kind, path=path_str(path), aval=describe_aval(leaf))
 
 
 def check_mutable(plan_: Plan, mutable: Any, adapter: Any) -> None:
@@ -97,10 +76,10 @@ def check_mutable(plan_: Plan, mutable: Any, adapter: Any) -> None:
     if not adapter.has_collections:
         return
     if not mutable and plan_.updated_collections:
-        raise SliceError(UNASKED_UPDATES.format(names=list(plan_.updated_collections)))
+        raise UnaskedUpdatesError(names=list(plan_.updated_collections))
     if mutable and not plan_.state_paths and not adapter.always_returns_state:
         wanted = "any collection" if mutable is True else repr(mutable)
-        raise SliceError(NO_STATE.format(wanted=wanted, have=list(plan_.state_collections)))
+        raise NoStateError(wanted=wanted, have=list(plan_.state_collections))
 
 
 _compat.register_frames_exclusion(__file__)

@@ -12,7 +12,13 @@ from typing import Any
 
 import jax
 
-from .._errors import DisconnectedError, InvalidSpecError, MissingInputError
+from .._errors import (
+    DuplicateStartKeywordError,
+    EndNotConnectedError,
+    MissingInputError,
+    SameValueStartsError,
+    UnusedStartError,
+)
 from .._trees import describe_aval
 from . import analysis
 from .graph import Call, Graph
@@ -26,33 +32,20 @@ def check_inputs(
     """Starts must be distinct values with distinct keyword names."""
     keywords = [a.keyword for a in arguments if a.keyword is not None]
     if len(keywords) != len(set(keywords)):
-        raise InvalidSpecError(
-            f"Two start boundaries take a keyword argument of the same name ({keywords}); "
-            "name one of them by its `:output` port instead."
-        )
+        raise DuplicateStartKeywordError(keywords=keywords)
     seen: dict[int, tuple[Argument, int]] = {}
     for arg in arguments:
         for leaf, vid in enumerate(arg.slot_ids):
             if vid is None:
                 continue
             if vid in seen:
-                raise InvalidSpecError(_same_value(graph, seen[vid], (arg, leaf), vid, works))
+                raise _same_value(graph, seen[vid], (arg, leaf), vid, works)
             seen[vid] = (arg, leaf)
-
-
-SAME_VALUE = (
-    "{first} and {second} are one value of the traced model ({aval}, {made}), so a slice "
-    "cannot take them as separate inputs (one would be silently ignored). This happens when "
-    "a module is called with a container that already holds another of its arguments (for "
-    "example `block(x, act)` where `act` holds `x`). {fix}"
-)
-SAME_VALUE_FIX = "Start at the module that produces it instead: start={starts!r}."
-SAME_VALUE_NO_FIX = "Start at an earlier boundary (or None, the model's inputs) instead."
 
 
 def _same_value(
     graph: Graph, a: tuple[Argument, int], b: tuple[Argument, int], vid: int, works: Callable
-) -> str:
+) -> SameValueStartsError:
     producer = landmarks(graph).get(vid)
     if producer is not None and producer[1] == OUTPUT:
         made = f"the output of {producer[0].qualname!r}"
@@ -60,15 +53,13 @@ def _same_value(
     else:
         made = "an input of the model" if vid in graph.input_ids else "computed in the model"
         suggestion = None
-    fix = SAME_VALUE_NO_FIX
-    if suggestion is not None and works(suggestion):
-        fix = SAME_VALUE_FIX.format(starts=suggestion)
-    return SAME_VALUE.format(
+    fix = suggestion if suggestion is not None and works(suggestion) else None
+    return SameValueStartsError.of(
         first=_leaf_label(*a),
         second=_leaf_label(*b),
         aval=describe_aval(graph.avals[vid]),
         made=made,
-        fix=fix,
+        starts=fix,
     )
 
 
@@ -91,8 +82,7 @@ def check_connected(
     for port in flat_ports(ends):
         ids = _value_ids(graph, port, params)
         if ids and not graph.cut(input_ids, ids).used_starts:
-            what = _not_dependent(port, starts)
-            raise DisconnectedError(DisconnectedError.TEMPLATE.format(what=what))
+            raise _not_dependent(port, starts)
     _check_used(arguments, result, starts, ends)
 
 
@@ -111,20 +101,17 @@ def _check_used(
     unused = [p for p in starts if not _start_ids(arguments, p) & result.used_starts]
     if unused:
         end_labels = ", ".join(p.label for p in flat_ports(ends))
-        what = f"The start {unused[0].label} is not used by {end_labels}; remove it from `start`."
-        raise DisconnectedError(DisconnectedError.TEMPLATE.format(what=what))
+        raise UnusedStartError(start=unused[0].label, ends=end_labels)
 
 
 def _start_ids(arguments: Sequence[Argument], port: Port) -> set[int]:
     return {i for a in arguments if a.port is port for i in a.input_ids}
 
 
-def _not_dependent(port: Port, starts: tuple[Port, ...]) -> str:
+def _not_dependent(port: Port, starts: tuple[Port, ...]) -> EndNotConnectedError:
     labels = ", ".join(p.label for p in starts)
-    order = ""
-    if port.spec is not None and port.call.stop <= min(p.call.start for p in starts):
-        order = f" ({port.label} runs before the start.)"
-    return f"{port.label} does not depend on the start {labels}.{order}"
+    before = port.spec is not None and port.call.stop <= min(p.call.start for p in starts)
+    return EndNotConnectedError.of(port.label, labels, before)
 
 
 def landmarks(graph: Graph) -> dict[int, tuple[Call, str]]:
@@ -168,23 +155,16 @@ def raise_missing(
     what = [_describe(label, avals) for label, avals in labels.items()]
     fixes = _fixes(graph, starts, labels, marks, found, params)
     fix = next((c for c in fixes if works(c)), None)
-    raise MissingInputError(
-        MissingInputError.TEMPLATE.format(
-            start=_labels(starts) if starts else "the model's inputs",
-            end=_labels(ends),
-            what=" and ".join(what) or "a value computed before the start",
-            verb="are" if len(what) > 1 else "is",
-            fix=_fix_text(fix),
-        )
+    raise MissingInputError.of(
+        start=_labels(starts) if starts else "the model's inputs",
+        end=_labels(ends),
+        values=what,
+        starts=fix,
     )
 
 
 def _labels(ports: Sequence[Port]) -> str:
     return ", ".join(p.label for p in ports)
-
-
-def _fix_text(fix: list[Any] | None) -> str:
-    return MissingInputError.FIX.format(starts=fix) if fix else MissingInputError.NO_FIX
 
 
 def _fixes(

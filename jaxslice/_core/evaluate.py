@@ -38,7 +38,7 @@ from typing import Any
 import jax
 
 from .. import _compat
-from .._errors import SliceError
+from .._errors import HookStructureError
 from .emit import assemble
 from .graph import Call, Graph, innermost
 from .markers import INPUT, PLACEHOLDER
@@ -132,18 +132,12 @@ class Hooks:
         """Receives `close_loop`'s values stacked over the loop's iterations."""
 
 
-HOOK_STRUCTURE = (
-    "The boundary hook for {name!r} ({side}) returned a value of structure {got}; it must "
-    "keep the structure {want}."
-)
-
-
 def _leaves_like(new: Any, value: Any, name: str, side: str) -> list[Any]:
     """The leaves of a hook's replacement `new`, which must have `value`'s structure."""
     leaves, treedef = jax.tree_util.tree_flatten(new)
     want = jax.tree_util.tree_structure(value)
     if treedef != want:
-        raise SliceError(HOOK_STRUCTURE.format(name=name, side=side, got=treedef, want=want))
+        raise HookStructureError(name=name, side=side, got=treedef, want=want)
     return leaves
 
 
@@ -202,34 +196,29 @@ def evaluate(
     values = dict(graph.consts)
     values.update(zip(graph.variable_ids, var_values, strict=True))
     values.update(zip(graph.rng_ids, rng_values, strict=False))
-    values.update(zip(graph.input_ids, inputs, strict=True))
-    env = _Env(values)
+    env = _Env({**values, **dict(zip(graph.input_ids, inputs, strict=True))})
     events = _events(graph)
-    owners = innermost(_outside_loops(graph), len(graph.eqns))
+    owners = [[c.qualname] if c else [] for c in innermost(_outside_loops(graph), len(graph.eqns))]
     loops = _Loops(graph, hooks)
     # Regions inlined only to drop dead code run as their original equation here, as
     # the hooks saw them before inlining (unless the hooks look inside call-like ones).
-    whole = (
-        {}
-        if hooks.recurse
-        else {r.start: r for r in graph.regions if r.opaque and r.stop > r.start}
-    )
+    regions = () if hooks.recurse else graph.regions
+    whole = {r.start: r for r in regions if r.opaque and r.stop > r.start}
     pos = 0
     while pos < len(graph.eqns):
         _boundaries(graph, hooks, env, pos, events.get(pos, ()))
         region = whole.get(pos)
-        eqn = region.eqn if region else graph.eqns[pos]
-        owner = owners[pos].qualname if owners[pos] else None
-        at = _At(pos, eqn.scopes, [owner] if owner else [])
+        eqn, after = (region.eqn, region.stop) if region else (graph.eqns[pos], pos + 1)
+        at = _At(pos, eqn.scopes, list(owners[pos]))
         ins = [env.read(v, pos) for v in eqn.ins]
         free = [graph.is_free(v) for v in eqn.ins]  # variables, random keys, constants
         env.values.update(zip(eqn.outs, loops.run(eqn.jax_eqn, ins, at, free), strict=True))
-        pos = region.stop if region else pos + 1
+        pos = after
     end = len(graph.eqns)
     _boundaries(graph, hooks, env, end, events.get(end, ()))
     out_tree = jax.tree_util.tree_unflatten(graph.out_tree, graph.out_slots)
-    out = assemble(out_tree, [env.values[v] for v in array_ids(graph.out_slots)])
-    return (out, [env.values[v] for v in graph.state_ids]) if with_state else out
+    out = assemble(out_tree, list(map(env.values.__getitem__, array_ids(graph.out_slots))))
+    return (out, list(map(env.values.__getitem__, graph.state_ids))) if with_state else out
 
 
 def _boundaries(

@@ -61,7 +61,7 @@ class CallRecord:
     out_tree: Any = None
     out_is_array: tuple[bool, ...] = ()
     out_statics: dict[int, Any] = dataclasses.field(default_factory=dict)
-    # Set on the copies `loops.py` makes for one iteration of a loop (or all of them,
+    # Set on the copies the loop expander (`loop_expander.py`) makes for one iteration of a loop (or all of them,
     # stacked): the boundary's full name (``layers[2]/attn``) and what identifies it.
     display: str | None = None
     key: Any = None

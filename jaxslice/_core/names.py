@@ -22,22 +22,23 @@ from typing import Any
 from .._errors import (
     AmbiguousBoundaryError,
     BoundaryInLoopError,
-    InvalidSpecError,
+    BoundaryNameTypeError,
+    CallIndexError,
+    CallIndexPerIterationError,
+    IterationIndexError,
+    IterationSlotsError,
+    LiteralNameError,
+    MixedLoopNamesError,
+    ScopeInScanError,
     SliceError,
+    StackedStartError,
     UnknownBoundaryError,
+    UnreachableIterationError,
 )
 from .graph import Call, Graph
 from .markers import INPUT, OUTPUT
 
 PORTS = (INPUT, OUTPUT)
-LITERAL = (
-    "{spec!r} could name a port or call of {base!r} or the module named {spec!r} itself. "
-    "Write {literal!r} for that module (the name grammar's characters escaped with a "
-    "backslash, as `js.boundaries` lists it), or add the call index for {base!r} "
-    "(e.g. {indexed!r})."
-)
-
-
 _SPEC = re.compile(r"((?:\\.|\[[^\]]*\]|[^\\@:\[])*)(?:@(\d+))?(?::(input|output))?")
 _INDEX = re.compile(r"(\\.)|\[([^\]]*)\]")
 STACKED = ":"
@@ -133,30 +134,6 @@ class LoopRef:
         return (id(self.call.record), self.path)
 
 
-MIXED = (
-    "{whole!r} is a scanned module as a whole and {one!r} one of its iterations; one slice "
-    "cannot name both. Name the loop's ends by iteration instead: {first!r} for its input "
-    "and {last!r} for its result."
-)
-STACKED_START = (
-    "{spec!r} stacks the values of every iteration, so it can end a slice (or be read with "
-    "js.intermediates) but not start one. Start at one iteration, e.g. {example!r}."
-)
-BAD_INDEX = (
-    "{spec!r}: {index!r} is not an iteration of {loop}, which runs {length} times. Use an "
-    "integer from 0 to {last} (negative counts from the end: -1 is the last) or ':' for "
-    "every iteration, stacked."
-)
-SLOTS = (
-    "{spec!r} gives {given} iteration(s), but {name!r} is inside {count} nested scan(s); "
-    "write one [k] per scan, where `js.boundaries` lists [:]."
-)
-NOT_HERE = (
-    "{spec!r} names one iteration of a call inside a scan, which this function cannot "
-    "reach; slice at it with js.slice or read it with js.intermediates."
-)
-
-
 class Resolver:
     """Looks names up in one graph."""
 
@@ -185,10 +162,7 @@ class Resolver:
     def resolve(self, spec: Any, default_port: str) -> tuple[Call, str]:
         """The call a name refers to, and its port (`default_port` when none is given)."""
         if not isinstance(spec, str):
-            raise InvalidSpecError(
-                f"A boundary is named by a string such as 'block1/conv', got {spec!r} "
-                f"({type(spec).__name__})."
-            )
+            raise BoundaryNameTypeError(spec=spec, kind=type(spec).__name__)
         base, index, port = parse(spec)
         call = self.graph.aliases.get((base, index)) or self._listed(spec, base, index)
         return call, port or default_port
@@ -197,7 +171,7 @@ class Resolver:
         """The call of a name as the graph lists it (outside loops)."""
         if split_indices(base)[1] and base not in self.by_name:
             self.loop_ref(spec, OUTPUT)  # a clear error if the name is wrong
-            raise BoundaryInLoopError(NOT_HERE.format(spec=spec))
+            raise UnreachableIterationError(spec=spec)
         self._check_literal(spec, base)
         call = self._pick(spec, base, index)
         if call.loop is not None:
@@ -216,24 +190,21 @@ class Resolver:
         whole = not calls and parts in self.by_whole
         calls = self.by_whole[parts] if whole else calls
         if not calls:
-            raise UnknownBoundaryError(
-                UnknownBoundaryError.TEMPLATE.format(name=spec, hint=self._hint(base))
-            )
+            raise UnknownBoundaryError(name=spec, hint=self._hint(base))
         call = self._pick_among(spec, calls, index)
         path = self._iterations(spec, call, given, whole)
         side = port or default_port
         if STACKED in path and side == INPUT and default_port == INPUT:
             example = spec.replace("[:]", "[0]")
-            raise InvalidSpecError(STACKED_START.format(spec=spec, example=example))
+            raise StackedStartError(spec=spec, example=example)
         return LoopRef(spec, call, path, side, whole)
 
     def _pick_among(self, spec: str, calls: list[Call], index: int | None) -> Call:
         if index is None:
             return self._only_call(calls[0].name, calls)
         if index >= len(calls):
-            raise UnknownBoundaryError(
-                f"{calls[0].name!r} is called {len(calls)} time(s) per iteration, so "
-                f"{spec!r} does not exist; valid calls are @0 to @{len(calls) - 1}."
+            raise CallIndexPerIterationError(
+                name=calls[0].name, count=len(calls), spec=spec, last=len(calls) - 1
             )
         return calls[index]
 
@@ -247,8 +218,8 @@ class Resolver:
         sites = call.loop.chain() if call.loop is not None else []
         sites = sites[:-1] if whole else sites
         if len(given) != len(depths):
-            raise InvalidSpecError(
-                SLOTS.format(spec=spec, given=len(given), name=call.name, count=len(depths))
+            raise IterationSlotsError(
+                spec=spec, given=len(given), name=call.name, count=len(depths)
             )
         for site in sites:
             if site.length is None:
@@ -268,7 +239,7 @@ class Resolver:
             if ref is not None:
                 base = parse(spec)[0]
                 first, last = f"{base}[0]:input", f"{base}[-1]:output"
-                raise SliceError(MIXED.format(whole=spec, one=ref.spec, first=first, last=last))
+                raise MixedLoopNamesError(whole=spec, one=ref.spec, first=first, last=last)
 
     def _lifted_loop(self, spec: Any) -> Any:
         """The loop a name of a lifted module as a whole stands for, or None."""
@@ -295,32 +266,23 @@ class Resolver:
             and base in self.by_name
         ):
             indexed = base + "@0" + spec[len(base) :]
-            raise AmbiguousBoundaryError(
-                LITERAL.format(spec=spec, literal=literal, base=base, indexed=indexed)
-            )
+            raise LiteralNameError(spec=spec, literal=literal, base=base, indexed=indexed)
 
     def _pick(self, spec: str, base: str, index: int | None) -> Call:
         calls = self.by_name.get(base)
         if not calls:
-            raise UnknownBoundaryError(
-                UnknownBoundaryError.TEMPLATE.format(name=spec, hint=self._hint(base))
-            )
+            raise UnknownBoundaryError(name=spec, hint=self._hint(base))
         if index is None:
             return self._only_call(base, calls)
         if index >= len(calls):
-            raise UnknownBoundaryError(
-                f"{base!r} is called {len(calls)} time(s), so {spec!r} does not exist; "
-                f"valid calls are {base}@0 to {base}@{len(calls) - 1}."
-            )
+            raise CallIndexError(name=base, count=len(calls), spec=spec, last=len(calls) - 1)
         return calls[index]
 
     def _only_call(self, base: str, calls: list[Call]) -> Call:
         """The call a name without ``@k`` picks: it must be called once."""
         if len(calls) > 1:
             choices = ", ".join(repr(name) for name in self._calls_of(base))
-            raise AmbiguousBoundaryError(
-                AmbiguousBoundaryError.TEMPLATE.format(name=base, count=len(calls), choices=choices)
-            )
+            raise AmbiguousBoundaryError(name=base, count=len(calls), choices=choices)
         return calls[0]
 
     def _in_loop(self, spec: str, call: Call) -> BoundaryInLoopError:
@@ -334,10 +296,8 @@ class Resolver:
         while loop is not None and loop.length is not None:
             loop = loop.parent
         if loop is None:  # a name-scope region inside a scan body
-            return BoundaryInLoopError(SCOPE_IN_SCAN.format(name=spec, outer=hint))
-        return BoundaryInLoopError(
-            BoundaryInLoopError.TEMPLATE.format(name=spec, primitive=loop.primitive, outer=hint)
-        )
+            return ScopeInScanError(name=spec, outer=hint)
+        return BoundaryInLoopError(name=spec, primitive=loop.primitive, outer=hint)
 
     def _hint(self, base: str) -> str:
         in_scan = self._in_scan_hint(base)
@@ -383,11 +343,6 @@ IN_SCAN = (
     " It is called in every iteration of a scan (listed as {listed!r}): name one iteration, "
     "e.g. {one!r} (from 0 to {last}; -1 is the last), or every iteration stacked, {listed!r}."
 )
-SCOPE_IN_SCAN = (
-    "{name!r} is a `jax.named_scope` region inside a scan body, which is not a boundary per "
-    "iteration. Wrap that code in `js.mark(name)` to name each iteration (`name[k]`), or "
-    "slice at the enclosing module{outer}."
-)
 
 
 def lifted_template(call: Call) -> str | None:
@@ -419,9 +374,7 @@ def _iteration(spec: str, text: str, site: Any) -> int | str:
     except ValueError:
         k = None
     if k is None or not -length <= k < length:
-        raise UnknownBoundaryError(
-            BAD_INDEX.format(
-                spec=spec, index=text, loop=f"a `{site.primitive}`", length=length, last=length - 1
-            )
+        raise IterationIndexError(
+            spec=spec, index=text, primitive=site.primitive, length=length, last=length - 1
         )
     return k % length

@@ -9,13 +9,14 @@ back. Anything that makes the slice impossible is reported by `diagnose.py`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import jax
 
 from .. import _compat
-from .._errors import SliceError
+from .._errors import GivenAndComputedError, SliceError, StateGapsError
 from .._trees import key_name, path_str
 from . import analysis, diagnose
 from .graph import Graph
@@ -192,14 +193,6 @@ def _finish(graph: Graph, p: Plan) -> Plan:
     )
 
 
-GIVEN_AND_COMPUTED = (
-    "The slice is given a value that the model computes in one loop together with other "
-    "values the slice needs, from that value ({primitive} results {given} and {others}): "
-    "it cannot take the one and compute the others from the model's own. Start at a "
-    "boundary before the loop, or do not ask for the values the loop computes with it."
-)
-
-
 def _check_given(program: Sequence[Any], given: Sequence[int], outputs: Sequence[int]) -> None:
     """A start value that a needed equation also computes replaces that result; the
     equation's other results the slice needs must not be computed from it."""
@@ -209,8 +202,7 @@ def _check_given(program: Sequence[Any], given: Sequence[int], outputs: Sequence
         mine = _positions(e.outs, lambda v: v in given_set)
         others = _positions(e.outs, lambda v: v not in given_set and v in needed)
         if mine and others and results_depend(e.jax_eqn, mine, others):
-            what = GIVEN_AND_COMPUTED.format(primitive=e.primitive, given=mine, others=others)
-            raise SliceError(what)
+            raise GivenAndComputedError(primitive=e.primitive, given=mine, others=others)
 
 
 def _positions(values: Sequence[int], keep: Callable[[int], bool]) -> list[int]:
@@ -279,15 +271,6 @@ def slice_state(
     return chosen
 
 
-STATE_GAPS = (
-    "The slice runs some iterations of a loop but not those between them ({ran} of its "
-    "pieces), so the state {path} that the loop updates, stacked over its iterations, "
-    "cannot be returned as one array with only those rows new. Make one slice per run of "
-    "consecutive iterations, or slice the model in a mode that updates no state (e.g. "
-    "train=False)."
-)
-
-
 def _stacked_rows(
     entry: Any, owner: Any, result: analysis.Cut, active: Sequence[Any], path: Any
 ) -> int | None:
@@ -305,7 +288,7 @@ def _stacked_rows(
         return None
     found = entry.rows.get((ran[0], ran[-1]))
     if found is None or len(ran) != ran[-1] - ran[0] + 1:
-        raise SliceError(STATE_GAPS.format(ran=ran, path=path_str(path)))
+        raise StateGapsError(ran=ran, path=path_str(path))
     return found
 
 
@@ -352,10 +335,9 @@ def _participating_modules(
     spans = [(c.start, c.stop) for c in calls]
     taking_part = analysis.spans_with(spans, set(result.eqns), len(graph.eqns))
     made = {v for i in result.eqns for v in graph.eqns[i].outs}
-    taking = [c for c, yes in zip(calls, taking_part, strict=True) if yes]
+    taking = list(itertools.compress(calls, taking_part))
     whole = [c for c in taking if _runs_whole(c, made, computable)]
-    inside = _inside(calls, whole, len(graph.eqns))
-    nested = [c for c, yes in zip(calls, inside, strict=True) if yes]
+    nested = list(itertools.compress(calls, _inside(calls, whole, len(graph.eqns))))
     return _Taking.of(calls, taking, nested)
 
 

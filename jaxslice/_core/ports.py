@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from .._errors import InvalidSpecError
+from .._errors import EmptyEndError, EndSpecError, NoActivationError, StartSpecError
 from .graph import Call, Eqn, Graph, Slot
 from .markers import INPUT, OUTPUT
 from .names import Resolver
@@ -179,10 +179,7 @@ def resolve_starts(graph: Graph, resolver: Resolver, start: Any) -> tuple[Port, 
         return None
     specs = [start] if isinstance(start, str) else start
     if not isinstance(specs, (list, tuple)) or not specs:
-        raise InvalidSpecError(
-            f"`start` must be None (the model's inputs), a boundary name or a non-empty list of "
-            f"names, got {start!r}."
-        )
+        raise StartSpecError(start=start)
     return tuple(_start_port(graph, resolver, spec) for spec in specs)
 
 
@@ -206,13 +203,9 @@ def resolve_ends(graph: Graph, resolver: Resolver, end: Any) -> Any:
 
 def _check_end(end: Any) -> None:
     if not isinstance(end, _END_TYPES):
-        raise InvalidSpecError(
-            f"`end` must be a boundary name, a list of names, a dict of names or None, got {end!r}."
-        )
+        raise EndSpecError(end=end)
     if isinstance(end, (list, tuple, dict)) and not end:
-        raise InvalidSpecError(
-            f"`end` (or `names`) is empty ({end!r}); name at least one boundary."
-        )
+        raise EmptyEndError(end=end)
 
 
 def _end_port(graph: Graph, resolver: Resolver, spec: Any) -> Port:
@@ -235,9 +228,7 @@ def _activation_port(graph: Graph, resolver: Resolver, spec: ActivationOf) -> Po
     call, _ = resolver.resolve(spec.name, OUTPUT)
     vid = single_output_id(call)
     if vid is None:
-        raise InvalidSpecError(
-            f"{spec.name!r} does not return a single array, so it has no activation."
-        )
+        raise NoActivationError(name=spec.name)
     act = activation_of(graph, vid)
     synthetic = dataclasses.replace(
         call, out_tree=jax.tree_util.tree_structure(0), out_slots=[Slot(act)]

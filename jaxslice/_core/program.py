@@ -24,30 +24,32 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from .. import _compat
 from .._caches import LRU
-from .._errors import InputMismatchError, ModelTraceError, SliceError, VariablesMismatchError
-from .._trees import (
-    abstract,
-    abstract_tree,
-    hashable,
-    is_traced_leaf,
-    is_weak,
-    nest,
-    path_str,
-    prune,
-    tree_key,
+from .._errors import (
+    InputShapesChangedError,
+    ModelTraceError,
+    NewBatchTraceError,
+    NoCollectionsError,
+    UnknownKeywordsError,
 )
+from .._trees import abstract, abstract_tree, hashable, is_traced_leaf, nest, prune, tree_key
 from . import emit as emit_
-from . import loops
-from .checks import check_alive, check_leaves, check_mutable, mode_value
+from . import exporting, loops
+from . import variables as variables_
+from .arguments import (
+    input_leaves,
+    retrace_inputs,
+    same_shapes,
+    signature,
+)
+from .checks import check_alive, check_leaves, check_mutable
+from .jitted import JitCalls, NotJittable
 from .plan import Plan, StateRules, plan
 from .trace import Traced, stop_specs, trace, trace_split
 
@@ -120,9 +122,7 @@ class SliceProgram:
         began = time.perf_counter()
         self.start, self.end = start, end
         self.adapter = traced.adapter
-        # A model that is a pytree of its arrays is kept as its structure only.
-        self.target = traced.target = self.adapter.skeleton(traced.target)
-        self.base = make_entry(traced, start, end)
+        base = make_entry(traced, start, end)
         self.build_info = BuildInfo(
             traced.seconds - traced.build_seconds,
             traced.build_seconds + time.perf_counter() - began,
@@ -131,23 +131,27 @@ class SliceProgram:
         )
         holds = self.adapter.holds_variables
         split = traced.split
-        paths = set(self.base.plan.variable_paths)
+        paths = set(base.plan.variable_paths)
         self.variables = None if holds else prune(split.variables, paths)
-        # Keep shapes, not the model's arrays: re-tracing needs nothing more.
+        # The program keeps the model's shapes, not its arrays (re-tracing needs nothing
+        # more), and a model that is a pytree of its arrays as its structure only. The
+        # `Traced` given is left as it is: its caller may use it again.
         if not holds:
-            traced.split = dataclasses.replace(split, variables=abstract_tree(split.variables))
+            split = dataclasses.replace(split, variables=abstract_tree(split.variables))
+        self.target = self.adapter.skeleton(traced.target)
+        kept = dataclasses.replace(base.traced, target=self.target, split=split)
+        self.base = dataclasses.replace(base, traced=kept)
         self._entries = LRU(MAX_ENTRIES)
-        self._keywords = frozenset(a.keyword for a in self.base.plan.arguments)
+        #: the names of the slice's keyword inputs (other keywords are modes)
+        self.keywords = frozenset(a.keyword for a in self.base.plan.arguments)
         base_key = self._key(
-            _signature(self._traced_avals(self.base)), split.rngs, split.mode, split.mutable
+            signature(self._traced_avals(self.base)), split.rngs, split.mode, split.mutable
         )
         self._entries.put(base_key, self.base)
-        #: one `jax.jit` of `apply` per mode and `mutable` (or `_CHECKED`: not jitted)
-        self._jits = LRU(MAX_ENTRIES)
-        # Without a structure key, the target (which a program never swaps) decides the
-        # program: the usual call's key is a constant.
-        fixed = self.adapter.structure_key(self.target) is None
-        self._usual_key = (None,) if fixed else None
+        self._calls = JitCalls(self, MAX_ENTRIES)
+        #: ``apply(variables, inputs, {})``, the usual call (``sub(x)``), by the shortest
+        #: path (`JitCalls.call`; an attribute, not a method: no call in between)
+        self.call = self._calls.call
 
     @classmethod
     def build(
@@ -179,55 +183,10 @@ class SliceProgram:
         """Runs the slice with linen's conventions (see `js.Sliced.apply`); with `mutable`,
         ``(values, state)``, the state nested as linen returns it.
 
-        Through one `jax.jit` per mode and `mutable` where it can (see the module's
-        docstring), else (and to raise any error) through `apply_checked`.
+        Through one `jax.jit` per mode and `mutable` where it can (see `jitted`), else
+        (and to raise any error) through `apply_checked`.
         """
-        modes = {k: v for k, v in kwargs.items() if k not in self._keywords}
-        if any(map(is_traced_leaf, modes.values())):  # an array mode (`train=jnp.asarray(True)`)
-            self._check_mode(modes)  # an unknown keyword is named as such, not as a mode
-            kwargs = {**kwargs, **{k: mode_value(k, v) for k, v in modes.items()}}
-        key = self._jit_key(kwargs, rngs, mutable, strict)
-        try:
-            jitted = self._jits.peek(key) or self._new_jitted(key, kwargs, mutable)
-        except TypeError:  # an unhashable mode value or structure key
-            jitted = _CHECKED
-        if jitted is _CHECKED:
-            return self.apply_checked(variables, inputs, kwargs, rngs, mutable, strict)
-        try:
-            return jitted(variables, inputs)
-        except _REDO:
-            pass  # outside the handler, so that an error raised again is not chained
-        except RuntimeError:
-            check_alive(variables, inputs)
-            raise
-        return self._redo(key, variables, inputs, kwargs, rngs, mutable, strict)
-
-    def call(self, variables: Any, inputs: tuple[Any, ...]) -> Any:
-        """``apply(variables, inputs, {})``, the usual call (``sub(x)``), by the shortest
-        path: one dict read and the jitted function."""
-        key = self._usual_key or (self.adapter.structure_key(self.target),)  # as `_jit_key`
-        try:
-            jitted = self._jits.peek(key)
-        except TypeError:  # an unhashable structure key
-            jitted = None
-        if jitted is None or jitted is _CHECKED:
-            return self.apply(variables, inputs, {})
-        try:
-            return jitted(variables, inputs)
-        except _REDO:
-            pass
-        except RuntimeError:
-            check_alive(variables, inputs)
-            raise
-        return self._redo(key, variables, inputs, {})
-
-    def _redo(self, key: Any, variables: Any, inputs: Any, kwargs: Any, *rest: Any) -> Any:
-        """`apply_checked` after the jitted function failed: it raises the error as jaxslice
-        does, or, if the arguments are fine but not for `jax.jit`, calls of this key are
-        not jitted from now on."""
-        out = self.apply_checked(variables, inputs, kwargs, *rest)
-        self._jits.put(key, _CHECKED)
-        return out
+        return self._calls.apply(variables, inputs, kwargs, rngs, mutable, strict)
 
     def apply_checked(
         self,
@@ -242,34 +201,13 @@ class SliceProgram:
         """`apply` with jaxslice's lookup and checks (run as `jax.jit` traces `apply`, with
         `jitting`, where it fails on outputs that are not arrays)."""
         if not self.adapter.has_collections and (rngs is not None or mutable):
-            raise SliceError(NO_COLLECTIONS)
+            raise NoCollectionsError()
         entry, leaves = self.lookup(inputs, kwargs, rngs, mutable)
         if jitting and entry.static_outputs:
-            raise _NotJittable(entry)
+            raise NotJittable(entry)
         var_leaves = self.variable_leaves(entry, variables, strict)
         out = self.run(entry, var_leaves, self.rng_leaves(entry, rngs), leaves, mutable)
         return _nest_state(*out) if mutable else out
-
-    def _jit_key(self, kwargs: dict[str, Any], rngs: Any, mutable: Any, strict: bool) -> Any:
-        """The key of `apply`'s jitted function for a call, or None where calls of this
-        kind are not jitted: random keys (`jax.jit` would take Python numbers as keys),
-        keyword inputs."""
-        if rngs is not None or not strict or not self._keywords.isdisjoint(kwargs):
-            return None
-        structure = self.adapter.structure_key(self.target)
-        if mutable is False and not kwargs:
-            return (structure,)  # the usual call's key (`call`)
-        collections = tuple(mutable) if isinstance(mutable, list) else mutable
-        return tuple(kwargs.items()), collections, structure
-
-    def _new_jitted(self, key: Any, kwargs: dict[str, Any], mutable: Any) -> Any:
-        """`apply` under `jax.jit` for calls of this key (`_CHECKED` for the None key)."""
-        if key is None:
-            return _CHECKED
-        traced = functools.partial(_jitted_apply, weakref.ref(self), dict(kwargs), mutable)
-        jitted = jax.jit(traced)
-        self._jits.put(key, jitted)
-        return jitted
 
     def apply_full(self, split: Any) -> tuple[Any, list[tuple[Any, Any]]]:
         """Runs a slice that starts at the model's inputs from a split of the full call.
@@ -323,7 +261,7 @@ class SliceProgram:
         """The compiled entry for these arguments (tracing it if new), and the input leaves."""
         kw_inputs, mode = self._split_kwargs(kwargs)
         leaves = self._input_leaves(inputs, kw_inputs)
-        key = self._key(_signature(leaves), rngs, mode, mutable)
+        key = self._key(signature(leaves), rngs, mode, mutable)
         entry = self._entries.get(key)
         if entry is None:
             split = self.base.traced.split
@@ -338,9 +276,9 @@ class SliceProgram:
         mode = self.base.traced.split.mode
         if not kwargs:
             return {}, mode
-        new_mode = {k: v for k, v in kwargs.items() if k not in self._keywords}
-        self._check_mode(new_mode)
-        kw_inputs = {k: v for k, v in kwargs.items() if k in self._keywords}
+        new_mode = {k: v for k, v in kwargs.items() if k not in self.keywords}
+        self.check_mode(new_mode)
+        kw_inputs = {k: v for k, v in kwargs.items() if k in self.keywords}
         return kw_inputs, {**mode, **new_mode}
 
     def _key(self, signature: tuple[Any, ...], rngs: Any, mode: Any, mutable: Any) -> Any:
@@ -354,47 +292,17 @@ class SliceProgram:
 
     # ------------------------------------------------------------------ inputs
 
-    def _check_mode(self, mode: Mapping[str, Any]) -> None:
+    def check_mode(self, mode: Mapping[str, Any]) -> None:
+        """Raises a `SliceError` naming keywords the model does not accept."""
         if not mode:
             return
         accepted = self.adapter.accepted_keywords(self.target)
         unknown = [k for k in mode if accepted is not None and k not in accepted]
         if unknown:
-            raise SliceError(
-                UNKNOWN_KEYWORDS.format(unknown=unknown, accepted=sorted(accepted or ()))
-            )
+            raise UnknownKeywordsError(unknown=unknown, accepted=sorted(accepted or ()))
 
     def _input_leaves(self, inputs: tuple[Any, ...], kw_inputs: dict[str, Any]) -> list[Any]:
-        arguments = self.base.plan.arguments
-        inputs = self._like_the_model(inputs)
-        _check_arity(arguments, inputs)
-        given = iter(inputs)
-        leaves: list[Any] = []
-        for arg in arguments:
-            if arg.keyword is None:
-                leaves += _argument_leaves(arg, next(given))
-            elif arg.keyword in kw_inputs:
-                leaves += _argument_leaves(arg, kw_inputs[arg.keyword])
-            else:
-                raise InputMismatchError(
-                    f"Missing keyword input {arg.keyword!r} ({arg.describe()})."
-                )
-        return leaves
-
-    def _like_the_model(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The array arguments of a slice from the model's inputs called as the model is
-        (every positional argument, ``None`` and flags included), once the others are
-        checked to be what the trace fixed; other calls' inputs, unchanged."""
-        traced = self.base.traced.split.args
-        taken = [a.position for a in self.base.plan.arguments if a.keyword is None]
-        if self.base.plan.starts is not None or len(inputs) in (len(taken), 0):
-            return inputs
-        if len(inputs) != len(traced):
-            return inputs  # `_check_arity` says what the slice takes
-        for i, (given, fixed) in enumerate(zip(inputs, traced, strict=True)):
-            if i not in taken and tree_key(given) != tree_key(fixed):
-                raise InputMismatchError(FIXED_ARGUMENT.format(i=i, fixed=fixed, given=given))
-        return tuple(inputs[i] for i in taken)
+        return input_leaves(self.base.plan, self.base.traced.split.args, inputs, kw_inputs)
 
     def _traced_avals(self, entry: Entry) -> tuple[jax.ShapeDtypeStruct, ...]:
         return _avals(entry, entry.plan.input_ids)
@@ -413,7 +321,8 @@ class SliceProgram:
         )
         error: Exception | None = None
         for later in (False, True):
-            new = self._new_inputs(split, avals, inputs, kw_inputs, later)
+            expected = self._traced_avals(base)
+            new = retrace_inputs(base.plan, expected, split, avals, inputs, kw_inputs, later)
             if later and new is None:
                 break
             try:
@@ -429,40 +338,12 @@ class SliceProgram:
                 error = failed
                 continue
             entry = make_entry(traced, self.start, self.end)
-            if base.plan.starts is None or _shapes(self._traced_avals(entry)) == _shapes(avals):
+            if base.plan.starts is None or same_shapes(self._traced_avals(entry), avals):
                 return entry
-            error = InputMismatchError(_mismatch_message(self._traced_avals(base), avals))
+            error = InputShapesChangedError.of(expected, avals)
         if isinstance(error, ModelTraceError):
-            raise InputMismatchError(NEW_BATCH.format(error=error)) from error
+            raise NewBatchTraceError(error=error) from error
         raise error or AssertionError("no re-trace was tried")
-
-    def _new_inputs(
-        self,
-        split: Any,
-        avals: tuple[Any, ...],
-        inputs: tuple[Any, ...],
-        kw_inputs: dict,
-        later: bool = False,
-    ) -> dict[str, Any] | None:
-        """The model's inputs for a re-trace at the shapes of `avals` (empty: as they
-        were); with `later`, the batch axis of each is its last axis of the old batch size
-        (None where that is the choice already tried)."""
-        if self.base.plan.starts is None:
-            return None if later else _model_inputs(self.base.plan, split, inputs, kw_inputs)
-        expected = self._traced_avals(self.base)
-        batch = _new_batch_size(expected, avals)
-        if batch is None:
-            return None if later else {}
-        old = next(e.shape[0] for e in expected if e.shape and not _same_dim(e.shape[0], batch))
-        axes = [_batch_axis(x, old, later) for x in jax.tree_util.tree_leaves(split.args)]
-        axes += [_batch_axis(x, old, later) for x in jax.tree_util.tree_leaves(split.kwargs)]
-        if later and all(a in (None, 0) for a in axes):
-            return None
-        resize = lambda x: _with_batch(x, _batch_axis(x, old, later), batch)  # noqa: E731
-        return {
-            "args": jax.tree_util.tree_map(resize, split.args),
-            "kwargs": jax.tree_util.tree_map(resize, split.kwargs),
-        }
 
     # ------------------------------------------------------------------ variables
 
@@ -479,18 +360,9 @@ class SliceProgram:
         return picked
 
     def _index_variables(self, entry: Entry, variables: Any, strict: bool) -> list[int]:
-        position = _array_positions(variables)
-        own = self._own_paths()
-        missing = _absent(entry.plan.variable_paths, position)
-        extra = _absent(position, own) if strict else []
-        if missing or extra:
-            lacks = bool(_absent(missing, own))
-            why = _call_differs(self.base.traced.split, entry.traced.split) if lacks else ""
-            raise VariablesMismatchError(_structure_message(missing, extra, why))
-        return [position[p] for p in entry.plan.variable_paths]
-
-    def _own_paths(self) -> set[Any]:
-        return {p for p, _ in jax.tree_util.tree_flatten_with_path(self.variables)[0]}
+        own = {p for p, _ in jax.tree_util.tree_flatten_with_path(self.variables)[0]}
+        why = lambda: variables_.call_differs(self.base.traced.split, entry.traced.split)  # noqa: E731
+        return variables_.leaf_index(entry.plan.variable_paths, variables, own, strict, why)
 
     def rng_leaves(self, entry: Entry, rngs: Any) -> list[Any]:
         if not entry.plan.rng_ids:
@@ -502,17 +374,8 @@ class SliceProgram:
     def extract(self, full_variables: Any) -> Any:
         """The slice's part of a model's full variables (the inverse of `merge`)."""
         plan_ = self.base.plan
-        flat = dict(jax.tree_util.tree_flatten_with_path(full_variables)[0])
-        missing = [p for p in plan_.variable_paths if p not in flat]
-        if missing:
-            raise VariablesMismatchError(
-                "These variables lack entries the slice reads: "
-                + ", ".join(path_str(p) for p in missing[:8])
-                + "."
-            )
-        picked = [flat[p] for p in plan_.variable_paths]
-        check_leaves(plan_.variable_paths, picked, _avals(self.base, plan_.variable_ids))
-        return prune(full_variables, set(plan_.variable_paths))
+        avals = _avals(self.base, plan_.variable_ids)
+        return variables_.extract(full_variables, plan_.variable_paths, avals)
 
     def merge(self, full_variables: Any, new_variables: Any) -> Any:
         """The model's variables with the slice's entries replaced by `new_variables`
@@ -521,48 +384,11 @@ class SliceProgram:
         if held is not None:
             self.adapter.assign(full_variables, self.merge(held, new_variables))
             return full_variables
-        updates = dict(jax.tree_util.tree_flatten_with_path(new_variables)[0])
-        flat, treedef = jax.tree_util.tree_flatten_with_path(full_variables)
-        known = dict(flat)
-        unknown = [p for p in updates if p not in known]
-        if unknown:
-            raise VariablesMismatchError(MERGE_UNKNOWN.format(paths=_paths(unknown)))
-        _check_updates(known, updates)
-        return jax.tree_util.tree_unflatten(treedef, [updates.get(p, x) for p, x in flat])
+        return variables_.merge(full_variables, new_variables)
 
     def input_specs(self, batch: Any = None) -> tuple[list[Any], dict[str, Any]]:
-        """``(args, kwargs)`` of `jax.ShapeDtypeStruct`s the slice takes, as traced.
-
-        With `batch` (a dimension, e.g. symbolic), every input's leading axis is `batch`.
-        """
-        args: list[Any] = []
-        kwargs: dict[str, Any] = {}
-        for arg in self.base.plan.arguments:
-            if any(i is None for i in arg.slot_ids):
-                raise SliceError(FIXED_LEAVES.format(arg=arg.describe()))
-            specs = [
-                _with_batch(a, 0 if jnp.ndim(a) else None, batch) if batch is not None else a
-                for a in _avals(self.base, arg.slot_ids)
-            ]
-            value = jax.tree_util.tree_unflatten(arg.tree, specs)
-            if arg.keyword is None:
-                args.append(value)
-            else:
-                kwargs[arg.keyword] = value
-        return args, kwargs
-
-    def check_exportable(self) -> None:
-        """Raises a `SliceError` if the slice is no pure function of its variables and
-        inputs in its mode: it draws random numbers, or it updates state."""
-        plan_, split = self.base.plan, self.base.traced.split
-        mode = dict(split.mode)
-        if plan_.rng_ids:
-            names = sorted(split.rngs) if isinstance(split.rngs, Mapping) else ["dropout"]
-            rngs = "{" + ", ".join(f"{n!r}: key" for n in names) + "}"
-            raise SliceError(EXPORT_RNGS.format(mode=mode, rngs=rngs))
-        if plan_.updated_collections:
-            names = list(plan_.updated_collections)
-            raise SliceError(EXPORT_UPDATES.format(mode=mode, names=names))
+        """``(args, kwargs)`` of `jax.ShapeDtypeStruct`s the slice takes (`exporting`)."""
+        return exporting.input_specs(self.base, batch)
 
     @property
     def sample_rngs(self) -> Any:
@@ -615,236 +441,15 @@ class SliceProgram:
 
 # --------------------------------------------------------------------------- helpers
 
-FIXED_LEAVES = (
-    "The slice's input {arg} holds leaves fixed by the trace (non-arrays or parameters), "
-    "which an exported function cannot take; export a slice whose inputs are arrays, e.g. "
-    "start at an ':output' port."
-)
-FIXED_ARGUMENT = (
-    "The model's positional argument {i} holds no arrays, so the trace fixed it to "
-    "{fixed!r}; this call passes {given!r}. Slice the model again with that value (a "
-    "slice takes the model's array arguments; non-array ones are part of its trace)."
-)
-EXPORT_RNGS = (
-    "In its mode {mode} this slice draws random numbers (it reads the keys passed as "
-    "`rngs`), and `sub.export()` makes a program that takes no random keys. Slice the model "
-    "in a mode that draws none (e.g. train=False), or export your own function that takes "
-    "the key, for example: jax.export.export(jax.jit(lambda v, x, key: sub.apply(v, x, "
-    "rngs={rngs})))(...)."
-)
-EXPORT_UPDATES = (
-    "In its mode {mode} this slice updates {names}, and `sub.export()` makes a program that "
-    "returns only the slice's outputs, so those updates would be lost. To export a feature "
-    "extractor, slice the model in evaluation mode (e.g. train=False). To export the "
-    "updates too, export your own function, for example: jax.export.export(jax.jit("
-    "lambda v, x: sub.apply(v, x, mutable={names})))(...)."
-)
-NO_COLLECTIONS = (
-    "A plain function takes random keys and state as ordinary inputs; `rngs` and "
-    "`mutable` apply to Flax models only."
-)
-UNKNOWN_KEYWORDS = (
-    "The model does not accept the keyword argument(s) {unknown}; it accepts {accepted}. "
-    "Mode keywords such as `train=True` are passed to the model."
-)
-MERGE_UNKNOWN = (
-    "Cannot merge: the model's variables have no entry at {paths}.\n"
-    "Pass the model's full variables first and the slice's variables second: "
-    "`sub.merge(variables, new_sub_variables)`."
-)
-NEW_BATCH = (
-    "The slice was called at a new batch size, so jaxslice traced the model again with "
-    "its inputs' batch axis (the axis of the old batch size) resized, and the model "
-    "failed: {error}\nSlice again with sample inputs of the new batch size."
-)
-#: errors after which `SliceProgram.apply` redoes a call with `apply_checked`: those of
-#: arguments `jax.jit` cannot take (strings, objects), of arguments it converts (Python
-#: numbers become arrays, where jaxslice would leave them alone), and jaxslice's own,
-#: raised again without JAX's frames
-_REDO = (TypeError, SliceError)
-_CHECKED = object()  # calls of this key go through `apply_checked`
-
-
-class _NotJittable(SliceError):
-    """The outputs of this call hold constants of the trace (`Entry.static_outputs`)."""
-
-
-def _jitted_apply(ref: Any, mode: dict[str, Any], mutable: Any, variables: Any, inputs: Any) -> Any:
-    """`SliceProgram.apply` as `jax.jit` traces it: for each new structure, shape and dtype
-    of the variables and inputs, the lookup and every check run again."""
-    return ref().apply_checked(variables, inputs, mode, None, mutable, jitting=True)
-
 
 def _nest_state(values: Any, state: list[tuple[Any, Any]]) -> tuple[Any, Any]:
     """``(values, state)`` with the state's ``(path, value)`` pairs nested as linen does."""
     return values, nest([p for p, _ in state], [v for _, v in state])
 
 
-def _signature(leaves: Any) -> tuple[Any, ...]:
-    """The shapes, dtypes and weak types of arrays (or avals), hashable."""
-    return tuple((tuple(x.shape), x.dtype, getattr(x, "weak_type", False)) for x in leaves)
-
-
 def _static_key(tree: Any) -> Any:
     """A cache key for `rngs` or `mutable` (cheap for the common None and booleans)."""
     return tree if tree is None or isinstance(tree, bool) else tree_key(tree)
-
-
-def _check_updates(known: dict[Any, Any], updates: dict[Any, Any]) -> None:
-    """New leaves have the shapes and dtypes of the leaves they replace."""
-    paths = [p for p in updates if is_traced_leaf(known[p]) or is_traced_leaf(updates[p])]
-    check_leaves(paths, [updates[p] for p in paths], [abstract(known[p]) for p in paths])
-
-
-def _absent(paths: Any, known: Any) -> list[Any]:
-    """The paths not in `known`."""
-    return [p for p in paths if p not in known]
-
-
-def _array_positions(tree: Any) -> dict[Any, int]:
-    """``{path: leaf index}`` of the array leaves of a pytree."""
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {p: i for i, (p, x) in enumerate(flat) if is_traced_leaf(x)}
-
-
-def _check_arity(arguments: Any, inputs: tuple[Any, ...]) -> None:
-    positional = [a for a in arguments if a.keyword is None]
-    if len(inputs) != len(positional):
-        described = ", ".join(a.describe() for a in arguments) or "none"
-        raise InputMismatchError(
-            f"This slice takes {len(positional)} positional input(s) (its inputs: {described}), "
-            f"got {len(inputs)}."
-        )
-
-
-def _argument_leaves(arg: Any, value: Any) -> list[Any]:
-    flat, tree = jax.tree_util.tree_flatten(value)
-    if tree != arg.tree:
-        raise InputMismatchError(
-            f"Input {arg.describe()} has structure {tree}, but the slice was traced with "
-            f"{arg.tree}. Pass a value of the same pytree structure."
-        )
-    leaves = []
-    for leaf, vid in zip(flat, arg.slot_ids, strict=True):
-        if vid is not None:
-            leaves.append(_as_array(arg, leaf))
-    return leaves
-
-
-def _as_array(arg: Any, leaf: Any) -> Any:
-    if is_traced_leaf(leaf) and not isinstance(leaf, jax.ShapeDtypeStruct):
-        return leaf
-    try:
-        return jnp.asarray(leaf)
-    except (TypeError, ValueError) as error:
-        raise InputMismatchError(
-            f"Input {arg.describe()} got {type(leaf).__name__} {leaf!r}, which is not an "
-            "array; pass a JAX or NumPy array (a `jax.ShapeDtypeStruct` is for tracing "
-            "with `jax.eval_shape` or `jax.export`, not for calling a slice)."
-        ) from error
-
-
-def _model_inputs(plan_: Plan, split: Any, inputs: tuple[Any, ...], kw_inputs: dict) -> dict:
-    args, kwargs = list(split.args), dict(split.kwargs)
-    given = iter(inputs)
-    for arg in plan_.arguments:
-        value = abstract_tree(kw_inputs[arg.keyword] if arg.keyword is not None else next(given))
-        if arg.keyword is not None:
-            kwargs[arg.keyword] = value
-        else:
-            args[arg.position] = value
-    return {"args": tuple(args), "kwargs": kwargs}
-
-
-def _batch_axis(x: Any, old: Any, later: bool) -> int | None:
-    """The axis of a model input that has the old batch size: the leading one if it has
-    it (the last such with `later`), or None for an input without one."""
-    shape = jnp.shape(x) if is_traced_leaf(x) else ()
-    axes = [k for k, n in enumerate(shape) if _same_dim(n, old)]
-    if not axes:
-        return None
-    return axes[-1] if later else axes[0]
-
-
-def _with_batch(x: Any, axis: int | None, batch: Any) -> Any:
-    """A model input with its batch axis at the new size."""
-    if axis is None:
-        return x
-    shape = list(jnp.shape(x))
-    shape[axis] = batch
-    return jax.ShapeDtypeStruct(tuple(shape), x.dtype, weak_type=is_weak(x))
-
-
-def _same_dim(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # symbolic dimensions (jax.export) that cannot be compared
-        return a is b
-
-
-def _new_batch_size(expected: tuple[Any, ...], got: tuple[Any, ...]) -> Any:
-    """The new leading dimension of `got`, None if unchanged; other changes raise."""
-    if not all(_same_but_batch(e, g) for e, g in zip(expected, got, strict=True)):
-        raise InputMismatchError(_mismatch_message(expected, got))
-    pairs = zip(expected, got, strict=True)
-    changed = [g.shape[0] for e, g in pairs if e.shape and not _same_dim(e.shape[0], g.shape[0])]
-    if any(not _same_dim(b, changed[0]) for b in changed):
-        raise InputMismatchError(_mismatch_message(expected, got))
-    return changed[0] if changed else None
-
-
-def _same_but_batch(e: Any, g: Any) -> bool:
-    """Same dtype and shape, except perhaps the leading axis."""
-    if str(e.dtype) != str(g.dtype) or len(e.shape) != len(g.shape):
-        return False
-    return all(_same_dim(a, b) for a, b in zip(e.shape[1:], g.shape[1:], strict=True))
-
-
-def _shapes(avals: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple((tuple(str(d) for d in a.shape), str(a.dtype)) for a in avals)
-
-
-def _mismatch_message(expected: tuple[Any, ...], got: tuple[Any, ...]) -> str:
-    fmt = lambda avals: ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)  # noqa: E731
-    return (
-        f"The slice's inputs were traced as ({fmt(expected)}) but got ({fmt(got)}).\n"
-        "A slice with a `start` accepts a new batch size (the leading axis) but not other "
-        "changes of shape or dtype. For other shapes, slice again with sample inputs of that "
-        "shape, or use start=None."
-    )
-
-
-def _call_differs(base: Any, now: Any) -> str:
-    """What differs between the call a slice was made for and this one (for messages)."""
-    what = []
-    if base.mode != now.mode:
-        what.append(f"mode {now.mode} where the slice was made with {base.mode}")
-    if tree_key(base.mutable) != tree_key(now.mutable):
-        what.append(f"mutable={now.mutable!r} where the slice was made with {base.mutable!r}")
-    differs = " and ".join(what) or "a call that differs from the one the slice was made for"
-    return (
-        f"(this call has {differs}, and reads variables that `sub.variables` lacks; slice "
-        "again with the mode and `mutable` you call it with)"
-    )
-
-
-def _structure_message(missing: list[Any], extra: list[Any], why: str) -> str:
-    lines = []
-    if missing:
-        lines.append("missing: " + _paths(missing))
-        if why:
-            lines.append(why)
-    if extra:
-        lines.append("not used by the slice: " + _paths(extra))
-    return (
-        "The variables passed do not match the slice's variables (" + "; ".join(lines) + ").\n"
-        "Pass `sub.variables`, or variables of the same structure (for example the result "
-        "of training them)."
-    )
-
-
-def _paths(paths: list[Any]) -> str:
-    return ", ".join(path_str(p) for p in paths[:8])
 
 
 _compat.register_frames_exclusion(__file__)
@@ -862,5 +467,5 @@ def summary(program: SliceProgram) -> str:
     # `repr` does not pay for (`shared_variables` does).
     shared = program.shared_paths() if program.knows_sharing() else []
     if shared:
-        text += f", shared with the rest of the model: {_paths(shared)}"
+        text += f", shared with the rest of the model: {variables_.paths_str(shared)}"
     return text

@@ -13,12 +13,10 @@ when the adapter allows it. Any exception the model raises while traced becomes 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -27,6 +25,7 @@ from .. import _compat
 from .._caches import LRU
 from .._errors import ModelTraceError, SliceError
 from .._fingerprint import model_key
+from .._shared import SHARED
 from .._trees import is_traced_leaf, shape_key, tree_key
 from ..adapters import Adapter, Split, adapter_for
 from . import markers
@@ -237,24 +236,12 @@ def _trace_widening(adapter: Adapter, target: Any, split: Split, stop_at: Any) -
 # jaxslice traces it. Such a trace is retried once with a higher limit, which is restored
 # when the last deep trace ends (traces in other threads may overlap).
 _DEEP_LIMIT = 20_000
-_deep = {"users": 0, "saved": 0}
-_DEEP_LOCK = threading.Lock()
 
 
-@contextlib.contextmanager
-def _deeper_stack() -> Iterator[None]:
-    with _DEEP_LOCK:
-        if _deep["users"] == 0:
-            _deep["saved"] = sys.getrecursionlimit()
-            sys.setrecursionlimit(max(_deep["saved"], _DEEP_LIMIT))
-        _deep["users"] += 1
-    try:
-        yield
-    finally:
-        with _DEEP_LOCK:
-            _deep["users"] -= 1
-            if _deep["users"] == 0:
-                sys.setrecursionlimit(_deep["saved"])
+def _raise_limit() -> Any:
+    saved = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(saved, _DEEP_LIMIT))
+    return lambda: sys.setrecursionlimit(saved)
 
 
 def _trace_deep(adapter: Adapter, target: Any, split: Split, mutable: Any, stop_at: Any) -> Graph:
@@ -263,7 +250,7 @@ def _trace_deep(adapter: Adapter, target: Any, split: Split, mutable: Any, stop_
     except ModelTraceError as error:
         if not isinstance(error.__cause__, RecursionError):
             raise
-    with _deeper_stack():
+    with SHARED.held({"recursion limit": _raise_limit}):
         return _trace_once(adapter, target, split, mutable, stop_at)
 
 
@@ -335,13 +322,9 @@ def _model_error(
 ) -> ModelTraceError:
     mode = f" (mode {split.mode}, mutable={split.mutable!r})" if split.mode or split.mutable else ""
     where = f" in the call of {failed[0]!r}" if failed else ""
+    hint = adapter.error_hint(error) + _array_flag_hint(split, error)
     return ModelTraceError(
-        ModelTraceError.TEMPLATE.format(
-            mode=mode,
-            where=where,
-            error=f"{type(error).__name__}: {error}",
-            hint=adapter.error_hint(error) + _array_flag_hint(split, error),
-        )
+        mode=mode, where=where, kind=type(error).__name__, error=error, hint=hint
     )
 
 

@@ -27,7 +27,7 @@ def adapter_for(target: Any) -> Adapter:
     for kind in _KINDS:
         if kind.accepts(target):
             return kind()
-    raise UnsupportedTargetError(UnsupportedTargetError.TEMPLATE.format(kind=type(target).__name__))
+    raise UnsupportedTargetError(kind=type(target).__name__)
 
 
 __all__ = ["Adapter", "Split", "adapter_for"]

@@ -36,7 +36,12 @@ from typing import Any
 import jax
 
 from .._caches import LRU
-from .._errors import SliceError, UnsupportedTargetError, VariablesMismatchError
+from .._errors import (
+    EquinoxMergeMismatchError,
+    EquinoxOtherSliceError,
+    EquinoxUnheldVariablesError,
+    EquinoxWrappedModelError,
+)
 from .._trees import (
     abstract_tree,
     describe_aval,
@@ -50,29 +55,9 @@ from ._base import Adapter, NewModule, Split, count_by_prefix, keywords_of, leaf
 from ._parts import held_paths
 from ._patching import callable_classes, marked_calls
 
-WRAPPED_MODEL = (
-    "This function wraps an Equinox model ({kind}), so jaxslice cannot see the model's "
-    "parameters: they would be traced as constants. Slice the model itself on one "
-    "example and batch the slice: `sub = js.slice(model, x[0], end=...)`, then "
-    "`jax.vmap(sub)(x)`. For layers that need a batch axis name (BatchNorm), slice a "
-    "module that vmaps inside, e.g. `eqx.filter_vmap(model, axis_name='batch')`."
-)
 BATCH_HINT = (
     "\nEquinox models compute one example per call: if these inputs are a batch, call "
     "`jax.vmap(sub)(x)` (the slice was made with one example)."
-)
-NOT_HELD = (
-    "The slice reads variables it does not hold: {paths}. Its parts were replaced by "
-    "modules of another structure; slice the changed model again."
-)
-MERGE_MISMATCH = (
-    "The trained slice's {path} is {trained}, where the model holds {held}: merge writes "
-    "back parts of the shapes and dtypes it was sliced with (cast trained arrays back, "
-    "e.g. with `jax.tree.map`, or slice the changed model again)."
-)
-OTHER_SLICE = (
-    "`trained` is not a slice with the same parts as this one (at {paths}); pass the "
-    "slice you trained, e.g. `sub.merge(model, trained_sub)`."
 )
 
 
@@ -152,7 +137,7 @@ class EquinoxAdapter(Adapter):
 
         if not _is_module(target):
             kind = type(_wrapped_module(target)).__name__
-            raise UnsupportedTargetError(WRAPPED_MODEL.format(kind=kind))
+            raise EquinoxWrappedModelError(kind=kind)
         variables = eqx.filter(target, is_traced_leaf)  # arrays, or their shapes
         inputs, mode = split_kwargs(kwargs)
         return Split(variables=variables, rngs=None, args=tuple(args), kwargs=inputs, mode=mode)
@@ -251,7 +236,7 @@ def _slice_class() -> type:
     """`EquinoxSlice`, defined once Equinox is imported (jaxslice does not import it)."""
     import equinox as eqx
 
-    from .._core.view import ProgramView
+    from .._view import ProgramView
 
     class EquinoxSlice(ProgramView, eqx.Module):
         """A slice of an Equinox model, itself an `eqx.Module` holding the model's parts.
@@ -284,7 +269,7 @@ def _slice_class() -> type:
             flat = _flat_parts(self.programs.paths, self.parts)
             missing = [p for p in entry.plan.variable_paths if p not in flat]
             if missing:
-                raise SliceError(NOT_HELD.format(paths=", ".join(map(path_str, missing[:6]))))
+                raise EquinoxUnheldVariablesError(paths=", ".join(map(path_str, missing[:6])))
             values = [flat[p] for p in entry.plan.variable_paths]
             return program.run(entry, values, [], leaves, False)
 
@@ -296,7 +281,7 @@ def _slice_class() -> type:
             """
             paths = self.programs.paths
             if not isinstance(trained, EquinoxSlice) or trained.programs.paths != paths:
-                raise SliceError(OTHER_SLICE.format(paths=", ".join(self.paths)))
+                raise EquinoxOtherSliceError(paths=", ".join(self.paths))
             _check_arrays(_flat_parts(paths, self.parts), _flat_parts(paths, trained.parts))
             return eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, list(trained.parts))
 
@@ -311,9 +296,7 @@ def _check_arrays(held: dict[tuple[Any, ...], Any], trained: dict[tuple[Any, ...
     for path in held.keys() | trained.keys():
         a, b = held.get(path), trained.get(path)
         if shape_key(a) != shape_key(b):
-            raise VariablesMismatchError(
-                MERGE_MISMATCH.format(path=path_str(path), held=_aval(a), trained=_aval(b))
-            )
+            raise EquinoxMergeMismatchError(path=path_str(path), held=_aval(a), trained=_aval(b))
 
 
 def _aval(x: Any) -> str:

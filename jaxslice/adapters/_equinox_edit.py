@@ -20,15 +20,8 @@ from typing import Any
 
 import jax
 
-from .._errors import SliceError
+from .._errors import EquinoxOtherEditedError, EquinoxStructureChangedError
 from .._trees import abstract_tree, is_traced_leaf, tree_key
-
-CHANGED = (
-    "The edited model's structure is not the one it was edited with ({what} changed; "
-    "`eqx.nn.inference_mode` or a swapped layer does this). Edit the changed model again: "
-    "`js.edit(eqx.nn.inference_mode(model), x)` with the same edits."
-)
-OTHER = "`trained` is not this edited model after training; pass `edited.merge(model, trained)`."
 
 
 def node_of(module: Any) -> tuple[Callable[..., Any], Any, Callable[[], Any]]:
@@ -75,7 +68,7 @@ def edited_class() -> type:
         def _variables(self) -> dict[str, Any]:
             changed = _changed(self.edits.key, _structure(self.model, self.nodes))
             if changed:
-                raise SliceError(CHANGED.format(what=changed))
+                raise EquinoxStructureChangedError(what=changed)
             nodes = {
                 name: eqx.filter(node, eqx.is_array)
                 for name, node in zip(self.edits.names, self.nodes, strict=True)
@@ -95,9 +88,9 @@ def edited_class() -> type:
             The edited model holds the whole model, so this is ``trained.model``, checked
             to have `model`'s structure."""
             if not isinstance(trained, EditedEquinox) or trained.edits is not self.edits:
-                raise SliceError(OTHER)
+                raise EquinoxOtherEditedError()
             if tree_key(abstract_tree(trained.model)) != tree_key(abstract_tree(model)):
-                raise SliceError(CHANGED.format(what="the model"))
+                raise EquinoxStructureChangedError(what="the model")
             return trained.model
 
         def export(self, *, batch: str | None = None, platforms: Any = None) -> Any:

@@ -23,24 +23,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._core.markers import Origin, call_marked, new_record
-from .._errors import InvalidSpecError, UnsupportedTargetError
+from .._errors import HaikuNoParamsError, HaikuRngKeywordError
 from .._trees import path_names
 from ._base import Adapter, NewModule, Split, count_by_prefix, keywords_of, split_kwargs
 
 _SKIPPED_METHODS = frozenset({"__init__"})
 
-NO_VARIABLES = (
-    "A Haiku function is sliced with its parameters{state} and sample inputs: "
-    "js.slice(f, params{state_arg}, x, end=...). Create them with `f.init(key, x)`."
-)
 RNG_HINT = (
     "\nThe function draws random numbers (`hk.next_rng_key`) in this mode, also where the "
     "slice does not: pass the key Haiku's `apply` takes, e.g. `sub(x, rngs=key)` (or "
     "`rngs=key` to js.slice)."
-)
-RNG_KEYWORD = (
-    "jaxslice passes Haiku's `rng` as `rngs=key` (the keyword every jaxslice call takes "
-    "for random keys): js.slice(f, params, x, end=..., rngs=key), sub(x, rngs=key)."
 )
 #: the arguments Haiku's ``apply`` adds in front of the function's own
 _APPLY_ARGUMENTS = frozenset({"params", "param", "state", "rng"})
@@ -125,10 +117,9 @@ class HaikuAdapter(Adapter):
         stateful = self._stateful(target)
         given = 2 if stateful else 1
         if len(args) < given:
-            state, state_arg = (" and state", ", state") if stateful else ("", "")
-            raise UnsupportedTargetError(NO_VARIABLES.format(state=state, state_arg=state_arg))
+            raise HaikuNoParamsError.of(stateful)
         if "rng" in kwargs:
-            raise InvalidSpecError(RNG_KEYWORD)
+            raise HaikuRngKeywordError()
         kwargs = dict(kwargs)
         rngs = kwargs.pop("rngs", None)
         # Haiku's `apply` of a stateful transform always returns the new state.

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._core.view import ProgramView
-from .._errors import InputMismatchError, VariablesMismatchError
+from .._errors import HaikuApplyArgumentsError, HaikuNoRngError, HaikuUnusedParamsError
+from .._view import ProgramView
 
 
 class HaikuSliced(ProgramView):
@@ -78,7 +78,8 @@ class HaikuSliced(ProgramView):
         """
         given = int(self._stateful) + int(self._takes_rng)
         if len(args) < given:
-            raise InputMismatchError(self._order_message(len(args)))
+            order = ["params", *(["state"] * self._stateful), *(["rng"] * self._takes_rng)]
+            raise HaikuApplyArgumentsError(order=", ".join(order), got=len(args) + 1)
         state = args[0] if self._stateful else None
         rng = args[given - 1] if self._takes_rng else None
         inputs = args[given:]
@@ -86,10 +87,7 @@ class HaikuSliced(ProgramView):
             return self.sliced.apply({"params": params}, *inputs, rngs=rng, **kwargs)
         extra = sorted(set(params) - set(self.params)) if isinstance(params, dict) else []
         if extra:
-            raise VariablesMismatchError(
-                f"The params passed hold modules the slice does not use: {extra}. Pass "
-                "`sub.params` (or `sub.extract(params)`), or params of that structure."
-            )
+            raise HaikuUnusedParamsError(extra=extra)
         # The state may hold more than the slice reads (the model's whole state, or one
         # returned by an earlier call, which has the entries the slice writes too).
         out, updates = self._slice_program().apply(
@@ -106,10 +104,7 @@ class HaikuSliced(ProgramView):
         if self._takes_rng:
             given.append(rng)
         elif rng is not None:
-            raise InputMismatchError(
-                "This transform takes no random key (`hk.without_apply_rng`): call the "
-                "slice without `rng`."
-            )
+            raise HaikuNoRngError()
         return self.apply(self.params, *given, *inputs, **kwargs)
 
     def extract(self, params: Any, state: Any = None) -> Any:
@@ -140,14 +135,6 @@ class HaikuSliced(ProgramView):
         """The slice as a `jax.export.Exported` (see `js.Sliced.export`); with
         ``variables_as_input=True`` it takes ``{"params": ..., "state": ...}``."""
         return self.sliced.export(**kwargs)
-
-    def _order_message(self, got: int) -> str:
-        order = ["params", *(["state"] if self._stateful else []), *(["rng"] * self._takes_rng)]
-        return (
-            f"A slice of this transform is applied as Haiku's own `apply` is: "
-            f"sub.apply({', '.join(order)}, *inputs); got {got + 1} argument(s) before the "
-            "inputs. Pass None as `rng` where the slice draws no random numbers."
-        )
 
     def __repr__(self) -> str:
         return f"HaikuSliced({self._slice_program().summary()})"

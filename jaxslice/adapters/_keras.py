@@ -35,7 +35,12 @@ from typing import Any
 
 import jax
 
-from .._errors import InvalidSpecError, SliceError, UnsupportedTargetError
+from .._errors import (
+    KerasBackendError,
+    KerasNodeStateError,
+    KerasNotBuiltError,
+    KerasRngsError,
+)
 from .._trees import nest, path_names
 from ._base import (
     Adapter,
@@ -49,27 +54,6 @@ from ._base import (
 from ._patching import callable_classes, marked_calls
 
 GROUPS = ("trainable", "non_trainable")
-
-NOT_JAX = (
-    "This Keras model runs on the {backend!r} backend; jaxslice traces models with JAX. "
-    "Set the backend before importing Keras: `KERAS_BACKEND=jax` (or "
-    "`os.environ['KERAS_BACKEND'] = 'jax'` first thing in your program)."
-)
-NOT_BUILT = (
-    "The Keras model has no variables yet: build it first (call it once on a sample "
-    "input, or `model.build(input_shape)`), then slice it."
-)
-NO_RNGS = (
-    "A Keras model draws random numbers from its layers' seed generators, whose states "
-    'are variables (the "non_trainable" group); `rngs=` does not apply. Call the '
-    'slice in training mode with `mutable=["non_trainable"]` to get the advanced '
-    "seed states back, and pass them in the next call."
-)
-NODE_STATE = (
-    "The new layer {kind} updated its own non-trainable state while called (moving "
-    "statistics, random-seed states), which an edit cannot keep. Insert it in inference "
-    "mode (edit with `training=False`) or insert a layer without such state."
-)
 
 
 def _children(layer: Any) -> list[Any]:
@@ -163,20 +147,20 @@ class KerasAdapter(CollectionNodes, Adapter):
         import keras
 
         if keras.backend.backend() != "jax":
-            raise UnsupportedTargetError(NOT_JAX.format(backend=keras.backend.backend()))
+            raise KerasBackendError(backend=keras.backend.backend())
         kwargs = dict(kwargs)
         mutable = kwargs.pop("mutable", False)
         inputs, mode = split_kwargs(kwargs)
         variables = self.model_variables(target)
         if not target.variables:
-            raise UnsupportedTargetError(NOT_BUILT)
+            raise KerasNotBuiltError()
         return Split(variables, None, tuple(args), inputs, mode, mutable)
 
     def call(self, target: Any, call: Split) -> tuple[Any, Any]:
         import keras
 
         if call.rngs is not None:
-            raise InvalidSpecError(NO_RNGS)
+            raise KerasRngsError()
         keys = variable_keys(target)
         trainable = [_read(call.variables, keys[id(v)]) for v in target.trainable_variables]
         fixed = [_read(call.variables, keys[id(v)]) for v in target.non_trainable_variables]
@@ -254,7 +238,7 @@ class KerasAdapter(CollectionNodes, Adapter):
             fixed = [_read(values, keys[id(v)]) for v in obj.non_trainable_variables]
             out, updated = obj.stateless_call(trainable, fixed, *a)
             if any(new is not old for new, old in zip(updated, fixed, strict=True)):
-                raise SliceError(NODE_STATE.format(kind=kind))
+                raise KerasNodeStateError(kind=kind)
             return out
 
         variables = _nested([(keys[id(v)], v.value) for v in obj.variables])

@@ -31,17 +31,10 @@ import jax
 import keras
 import numpy as np
 
-from .._core.view import ProgramView
-from .._errors import InvalidSpecError, SliceError
+from .._errors import KerasNotSavableError, SliceError
 from .._trees import nest, path_names
+from .._view import ProgramView
 from ._base import ENTRY_POINTS
-
-NOT_SAVABLE = (
-    "This Keras slice cannot be saved as a `.keras` file: {why}. Give the model's class "
-    "a `get_config` (as Keras asks of subclassed models), or save the slice's weights "
-    "instead (`sub.save_weights(path)`, loaded with `sub.load_weights(path)` into a "
-    "slice made the same way), or save the model itself."
-)
 
 
 def _spec(x: Any) -> dict[str, Any]:
@@ -207,7 +200,7 @@ class KerasSlice(ProgramView, keras.Model):
             model = keras.saving.serialize_keras_object(program.target)
         except NotImplementedError as e:
             why = f"the model has no config ({type(program.target).__name__}.get_config: {e})"
-            raise InvalidSpecError(NOT_SAVABLE.format(why=why)) from None
+            raise KerasNotSavableError(why=why) from None
         return {
             "name": self.name,
             "model": model,

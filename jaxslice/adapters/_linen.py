@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import _compat
 from .._core.markers import Origin, call_marked, new_record
-from .._errors import UnsupportedTargetError
+from .._errors import LinenNoVariablesError
 from .._trees import key_name, path_names
 from ._base import (
     Adapter,
@@ -34,11 +34,6 @@ from ._base import (
 
 _SKIPPED_METHODS = frozenset({"setup"})
 
-NO_VARIABLES = (
-    "A linen module is sliced with its variables and sample inputs: "
-    "js.slice(model, variables, x, end=...). No variables were given; create them "
-    "with `variables = model.init(jax.random.key(0), x)`."
-)
 RNG_HINT = (
     "\nThe model draws random numbers in this mode: pass the keys it needs, e.g. "
     "`sub.apply(sub.variables, x, train=True, rngs={'dropout': key})` (or `rngs=` to "
@@ -86,7 +81,7 @@ class LinenAdapter(CollectionNodes, Adapter):
 
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         if not args:
-            raise UnsupportedTargetError(NO_VARIABLES)
+            raise LinenNoVariablesError()
         kwargs = dict(kwargs)
         rngs = kwargs.pop("rngs", None)
         mutable = kwargs.pop("mutable", False)

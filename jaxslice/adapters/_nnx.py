@@ -205,7 +205,7 @@ def _unchanged(model: Any, graphdef: Any, before: dict[str, str]) -> Any:
     after, state = nnx.split(model)
     if after != graphdef:
         changed = _changes(before, _static_attributes(model))
-        raise AttributeMutationError(AttributeMutationError.TEMPLATE.format(detail=changed))
+        raise AttributeMutationError(detail=changed)
     return state
 
 

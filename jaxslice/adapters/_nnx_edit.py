@@ -22,25 +22,9 @@ from typing import Any
 from flax import nnx
 
 from .. import _compat
-from .._errors import SliceError
+from .._errors import NNXEditedExportStateError, NNXEditedNotCopyableError, NNXNodeStateError
 from .._trees import joined_key
 from ._nnx_state import flat_state, get_value, set_value, state_from_flat
-
-NODE_STATE = (
-    "The new node ({kind}) updated its own state while called ({paths}), which an "
-    "edit cannot keep. Switch it to evaluation mode before inserting it (`node.eval()`), "
-    "or insert a node without batch statistics or random draws."
-)
-NOT_EXPORTABLE = (
-    "In its current mode the edited model updates {names} (batch statistics, random-number "
-    "counters), and an exported program returns only its outputs. Switch it to evaluation "
-    "mode first: `edited.eval()`."
-)
-NOT_COPYABLE = (
-    "An edited NNX model shares the model's variables and holds compiled programs, so it "
-    "cannot be pickled or deep-copied. Save the model's and the nodes' state instead "
-    "(`nnx.state(edited)`) and edit the model again after loading it."
-)
 
 
 def node_of(module: Any) -> tuple[Callable[..., Any], dict[str, Any], Callable[[], Any]]:
@@ -58,7 +42,7 @@ def node_of(module: Any) -> tuple[Callable[..., Any], dict[str, Any], Callable[[
         after = {joined_key(p): get_value(v) for p, v in flat_state(nnx.state(copy))}
         changed = [k for k, v in after.items() if v is not values.get(k)]
         if changed:
-            raise SliceError(NODE_STATE.format(kind=kind, paths=changed[:4]))
+            raise NNXNodeStateError(kind=kind, paths=changed[:4])
         return out
 
     values = {joined_key(p): get_value(v) for p, v in flat_state(nnx.state(module))}
@@ -118,16 +102,16 @@ class EditedModule(nnx.Module):
         def output(result: Any) -> Any:
             out, state = result
             if state:  # written back by a call: not a pure function
-                raise SliceError(NOT_EXPORTABLE.format(names=sorted(state)[:6]))
+                raise NNXEditedExportStateError(names=sorted(state)[:6])
             return out
 
         return sliced.export(batch=batch, platforms=platforms, variables=variables, pick=output)
 
     def __reduce__(self) -> Any:
-        raise SliceError(NOT_COPYABLE)
+        raise NNXEditedNotCopyableError()
 
     def __deepcopy__(self, memo: Any) -> Any:
-        raise SliceError(NOT_COPYABLE)
+        raise NNXEditedNotCopyableError()
 
 
 _compat.register_frames_exclusion(__file__)

@@ -18,23 +18,10 @@ import jax
 from flax import nnx
 
 from .. import _compat
-from .._core.view import ProgramView
-from .._errors import SliceError
+from .._errors import NNXModeVariablesError, NNXSliceExportStateError, NNXSliceNotCopyableError
+from .._view import ProgramView
 from ._nnx_state import get_value, set_value
 from ._parts import held_paths
-
-NOT_EXPORTABLE = (
-    "In its current mode this slice updates {names} (batch statistics, random-number "
-    "counters), and an exported program returns only the slice's outputs. Switch it to "
-    "evaluation mode first: `sub.eval()` (it switches the model's own submodules; "
-    "`sub.train()` switches them back)."
-)
-NOT_COPYABLE = (
-    "An NNX slice shares the model's variables and holds compiled programs, so it cannot "
-    "be pickled or deep-copied. Save the model's state instead (`nnx.state(model)`, e.g. "
-    "with orbax) and the recipe (start, end, sample input shapes); after loading the "
-    "model, slice it again."
-)
 
 
 class _Static:
@@ -88,10 +75,10 @@ class SlicedModule(ProgramView, nnx.Module):
         return found
 
     def __reduce__(self) -> Any:
-        raise SliceError(NOT_COPYABLE)
+        raise NNXSliceNotCopyableError()
 
     def __deepcopy__(self, memo: Any) -> Any:
-        raise SliceError(NOT_COPYABLE)
+        raise NNXSliceNotCopyableError()
 
     def export(self, *, batch: str | None = "b", platforms: Any = None) -> Any:
         """The slice as a `jax.export.Exported` with a symbolic batch size, in its current
@@ -112,7 +99,7 @@ class SlicedModule(ProgramView, nnx.Module):
             entry, _ = program.lookup(inputs, kw, None, True)
             if entry.plan.state_paths:  # written back by a call: not a pure function
                 names = sorted({"/".join(map(str, p)) for p in entry.plan.state_paths})
-                raise SliceError(NOT_EXPORTABLE.format(names=names[:6]))
+                raise NNXSliceExportStateError(names=names[:6])
             return self(*inputs, **kw)
 
         dim = jax.export.symbolic_shape(batch)[0] if batch is not None else None
@@ -127,11 +114,8 @@ class SlicedModule(ProgramView, nnx.Module):
             p for p in entry.plan.variable_paths + entry.plan.state_paths if p not in variables
         ]
         if missing:
-            raise SliceError(
-                "In this mode the slice reads variables it does not hold: "
-                + ", ".join("/".join(map(str, p)) for p in missing[:6])
-                + ". Slice the model again after switching it to this mode."
-            )
+            paths = ", ".join("/".join(map(str, p)) for p in missing[:6])
+            raise NNXModeVariablesError(paths=paths)
         values = [get_value(variables[p]) for p in entry.plan.variable_paths]
         result, state = program.run(entry, values, [], leaves, True)
         for path, value in state:

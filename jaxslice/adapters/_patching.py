@@ -6,8 +6,9 @@ class's ``__call__`` is replaced by a wrapper that marks a call only when its ``
 one of the modules of the model traced *in the current context*: a context variable maps
 ``id(module)`` to the module's path, so other threads, other models and the same classes
 used outside the trace pass straight through. Patching is reference-counted under a
-lock, so concurrent traces share the wrappers, and each class gets its own ``__call__``
-back (or none, if it inherited it) when the last trace ends, also when tracing fails.
+lock (`_shared`), so concurrent traces share the wrappers, and each class gets its own
+``__call__`` back (or none, if it inherited it) when the last trace ends, also when
+tracing fails.
 
 A call of a module from inside its own ``__call__`` (a ``super().__call__`` chain, or a
 module that calls itself) is not marked again.
@@ -18,11 +19,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._core.markers import Origin, call_marked, new_record
+from .._shared import SHARED
 
 #: Finds the path of a module the id map does not know (a copy a transform made), or None.
 PathOf = Callable[[Any], "tuple[str, ...] | None"]
@@ -59,29 +60,13 @@ def _wrapper(original: Callable[..., Any], path_of: PathOf) -> Callable[..., Any
     return __call__
 
 
-# Classes whose __call__ is wrapped: {class: [original in its __dict__ or None, users]}.
-_PATCHED: dict[type, list[Any]] = {}
-_PATCH_LOCK = threading.Lock()
-
-
-def _acquire(cls: type, path_of: PathOf) -> None:
-    entry = _PATCHED.get(cls)
-    if entry is None:
-        original = cls.__dict__.get("__call__")
-        entry = _PATCHED[cls] = [original, 0]
-        cls.__call__ = _wrapper(original if original is not None else cls.__call__, path_of)
-    entry[1] += 1
-
-
-def _release(cls: type) -> None:
-    entry = _PATCHED[cls]
-    entry[1] -= 1
-    if entry[1] == 0:
-        del _PATCHED[cls]
-        if entry[0] is None:
-            del cls.__call__
-        else:
-            cls.__call__ = entry[0]
+def _wrap_call(cls: type, path_of: PathOf) -> Callable[[], None]:
+    """Wraps a class's ``__call__``; returns what gives it back (or none, if inherited)."""
+    original = cls.__dict__.get("__call__")
+    cls.__call__ = _wrapper(original if original is not None else cls.__call__, path_of)
+    if original is None:
+        return lambda: delattr(cls, "__call__")
+    return lambda: setattr(cls, "__call__", original)
 
 
 def callable_classes(modules: Iterable[Any]) -> set[type]:
@@ -96,15 +81,10 @@ def marked_calls(
 ) -> Iterator[None]:
     """Marks calls of the modules in `paths` (``id -> path``) inside the block, in this
     context only; `classes` are the classes whose ``__call__`` to wrap."""
-    classes = set(classes)
-    with _PATCH_LOCK:
-        for cls in classes:
-            _acquire(cls, path_of)
-    token = _PATHS.set(paths)
-    try:
-        yield
-    finally:
-        _PATHS.reset(token)
-        with _PATCH_LOCK:
-            for cls in classes:
-                _release(cls)
+    wrapped = {("__call__", cls): functools.partial(_wrap_call, cls, path_of) for cls in classes}
+    with SHARED.held(wrapped):
+        token = _PATHS.set(paths)
+        try:
+            yield
+        finally:
+            _PATHS.reset(token)

@@ -16,7 +16,7 @@ from typing import Any, TypeVar, overload
 import jax
 
 from .._core.markers import Origin, call_marked, new_record
-from .._errors import InvalidSpecError, UnsupportedTargetError
+from .._errors import MarkNameError, PlainNoParamsError
 from ._base import Adapter, Split, count_by_prefix, keywords_of, leaf_sizes, split_kwargs
 from ._haiku import haiku_interception, haiku_parameter_counts
 
@@ -52,7 +52,7 @@ def mark(name: str, fn: Callable[..., Any] | None = None) -> Any:
     ['double']
     """
     if not isinstance(name, str) or not name:
-        raise InvalidSpecError(f"js.mark needs a non-empty string name, got {name!r}.")
+        raise MarkNameError(name=name)
     if fn is None:
         return functools.partial(mark, name)
 
@@ -69,12 +69,6 @@ def mark(name: str, fn: Callable[..., Any] | None = None) -> Any:
     return wrapped
 
 
-NO_VARIABLES = (
-    "A plain function is sliced as js.slice(fn, params, *inputs, end=...): its first "
-    "argument holds the parameters. Pass `None` if it has none."
-)
-
-
 class PlainAdapter(Adapter):
     """A function ``fn(variables, *inputs)``; `name_scopes` also lists `jax.named_scope`s."""
 
@@ -83,7 +77,7 @@ class PlainAdapter(Adapter):
 
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         if not args:
-            raise UnsupportedTargetError(NO_VARIABLES)
+            raise PlainNoParamsError()
         inputs, mode = split_kwargs(kwargs)
         return Split(variables=args[0], rngs=None, args=tuple(args[1:]), kwargs=inputs, mode=mode)
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._errors import InvalidSpecError
+from .._errors import PositiveIntegerError, RatioError, ThresholdError
 from ..observe import Moments
 
 
@@ -75,7 +75,7 @@ def _is_number(x: Any, types: type | tuple[type, ...]) -> bool:
 
 def _check_int(name: str, k: Any) -> int:
     if not _is_number(k, int) or k < 1:
-        raise InvalidSpecError(f"{name} must be a positive integer, got {k!r}.")
+        raise PositiveIntegerError(name=name, value=k)
     return k
 
 
@@ -98,7 +98,7 @@ class NC(_Flags):
 
     def __init__(self, threshold: float = 0.5):
         if not _is_number(threshold, (int, float)) or not 0 <= threshold < 1:
-            raise InvalidSpecError(f"NC threshold must be a number in [0, 1), got {threshold!r}.")
+            raise ThresholdError(threshold=threshold)
         self.threshold = float(threshold)
 
     def update(self, state, values, scaled, profile):
@@ -227,7 +227,7 @@ def _check_ratio(name: str, ratio: Any) -> float:
     if not _is_number(ratio, (int, float, np.integer, np.floating)) or not (
         math.isfinite(ratio) and ratio >= 1
     ):
-        raise InvalidSpecError(f"{name} ratio must be a finite number >= 1, got {ratio!r}.")
+        raise RatioError(name=name, ratio=ratio)
     return float(ratio)
 
 

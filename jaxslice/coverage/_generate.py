@@ -21,7 +21,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
-from .._errors import InvalidSpecError
+from .._errors import (
+    AmbiguousCriterionError,
+    BoundsOrderError,
+    BoundsShapeError,
+    BoundsSpecError,
+    KeySpecError,
+    NoFloatSeedsError,
+    PositiveCountError,
+    PositiveNumberError,
+    SeedsOutOfBoundsError,
+    UngeneratableCriterionError,
+)
 from ..observe import Observer, neurons
 from ._criteria import NC, SIGN, Criterion, PairCriterion
 from ._search import holds, make_search, values_of
@@ -76,8 +87,9 @@ def generate(
 
     Each seed gets up to four uncovered requirements of `criterion`, the ones whose sign
     changes need the smallest moves from it first (a requirement is tried from several
-    seeds only once every one has been tried), and for each a projected gradient search of `steps` signed steps of size ``2.5 * eps / steps`` from the seed, kept
-    within L∞ distance `eps` of it and inside `bounds`. A pair requirement is covered by
+    seeds only once every one has been tried), and for each a projected gradient search
+    of `steps` signed steps of size ``2.5 * eps / steps`` from the seed, kept within L∞
+    distance `eps` of it and inside `bounds`. A pair requirement is covered by
     the pair (seed, new input), so the seeds should be inputs the tracker has seen:
     ``tracker.update(result.inputs)`` then raises its coverage.
 
@@ -120,16 +132,8 @@ def generate(
     if max_inputs is not None:
         max_inputs = _positive_int("max_inputs", max_inputs)
     observer = _observer(tracker)
-    args = tracker._observer._inputs(seeds)
+    leaves, treedef, moving = _seed_leaves(tracker, seeds)
     count = tracker._observer.batch_size(seeds)
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-    leaves = [np.asarray(x) for x in leaves]
-    moving = [bool(jnp.issubdtype(x.dtype, jnp.floating)) for x in leaves]
-    if not any(moving):
-        raise InvalidSpecError(
-            "`generate` moves floating-point inputs, and the seeds have none "
-            f"({', '.join(str(x.dtype) for x in leaves)})."
-        )
     low, high = _bounds(bounds, leaves, moving)
 
     requirements = _uncovered(tracker, crit_index)
@@ -165,31 +169,36 @@ def _criterion_index(tracker: Any, criterion: Any) -> int:
         picks = [i for i, c in enumerate(tracker.criteria) if c is criterion]
     if len(picks) != 1:
         how = "several" if picks else "no"
-        raise InvalidSpecError(
-            f"The tracker has {how} criteria matching {criterion!r}; name one of {names} "
-            "(or pass the criterion object)."
-        )
+        raise AmbiguousCriterionError(how=how, criterion=criterion, names=names)
     crit = tracker.criteria[picks[0]]
     if not isinstance(crit, (NC, PairCriterion)):
-        raise InvalidSpecError(
-            f"`generate` searches inputs for NC, SignSign, ValueSign, SignValue and "
-            f"ValueValue, not {crit.name}."
-        )
+        raise UngeneratableCriterionError(name=crit.name)
     return picks[0]
 
 
 def _positive_number(name: str, value: Any) -> float:
     ok = isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_))
     if not ok or not math.isfinite(value) or value <= 0:
-        raise InvalidSpecError(f"`{name}` must be a positive finite number, got {value!r}.")
+        raise PositiveNumberError(name=name, value=value)
     return float(value)
 
 
 def _positive_int(name: str, value: Any) -> int:
     ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
     if not ok or value < 1:
-        raise InvalidSpecError(f"`{name}` must be a positive integer, got {value!r}.")
+        raise PositiveCountError(name=name, value=value)
     return int(value)
+
+
+def _seed_leaves(tracker: Any, seeds: Any) -> tuple[list[np.ndarray], Any, list[bool]]:
+    """The seeds' input leaves as arrays, their treedef, and per leaf whether the search
+    moves it (floating-point leaves; there must be one)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tracker._observer._inputs(seeds))
+    leaves = [np.asarray(x) for x in leaves]
+    moving = [bool(jnp.issubdtype(x.dtype, jnp.floating)) for x in leaves]
+    if not any(moving):
+        raise NoFloatSeedsError(dtypes=", ".join(str(x.dtype) for x in leaves))
+    return leaves, treedef, moving
 
 
 def _bounds(bounds: Any, leaves: list[np.ndarray], moving: list[bool]) -> tuple[Any, Any]:
@@ -197,25 +206,19 @@ def _bounds(bounds: Any, leaves: list[np.ndarray], moving: list[bool]) -> tuple[
     if bounds is None:
         return np.float32(-np.inf), np.float32(np.inf)
     if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2):
-        raise InvalidSpecError(f"`bounds` must be (low, high) or None, got {bounds!r}.")
+        raise BoundsSpecError(bounds=bounds)
     low, high = (np.asarray(b, np.float32) for b in bounds)
     if np.any(np.isnan(low)) or np.any(np.isnan(high)) or np.any(low >= high):
-        raise InvalidSpecError(f"`bounds` must have low < high everywhere, got {bounds!r}.")
+        raise BoundsOrderError(bounds=bounds)
     for x, move in zip(leaves, moving, strict=True):
         if not move:
             continue
         try:
             inside = (x >= low) & (x <= high)
         except ValueError:
-            raise InvalidSpecError(
-                f"`bounds` of shapes {low.shape} and {high.shape} do not broadcast to the "
-                f"seeds' shape {x.shape}."
-            ) from None
+            raise BoundsShapeError(low=low.shape, high=high.shape, shape=x.shape) from None
         if not inside.all():
-            raise InvalidSpecError(
-                f"Some seeds lie outside `bounds` {bounds!r}; clip them first, e.g. "
-                "np.clip(seeds, low, high)."
-            )
+            raise SeedsOutOfBoundsError(bounds=bounds)
     return low, high
 
 
@@ -228,7 +231,7 @@ def _seed_of(key: Any) -> Any:
         data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
         return [int(v) for v in np.asarray(data).ravel()]
     except (AttributeError, TypeError):
-        raise InvalidSpecError(f"`key` must be a jax.random key or an int, got {key!r}.") from None
+        raise KeySpecError(key=key) from None
 
 
 def _observer(tracker: Any) -> Observer:

@@ -18,24 +18,21 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .. import _compat
-from .._errors import InvalidSpecError, SliceError
+from .._errors import (
+    CapacityError,
+    ChoiceError,
+    CriteriaSpecError,
+    NoBatchesError,
+    ProfileNeededError,
+    ScalarLayersError,
+    UnknownCriterionError,
+)
 from .._table import PrintsAsTable
 from ..observe import GRANULARITIES, Moments, Observer, neuron_count, neurons, scaled
 from ..observe._observer import per_iteration
 from ._criteria import KMNC, NBC, NC, SNAC, TKNC, Criterion
 
 _PROFILE, _UPDATE = 0, 1
-
-PROFILE_NEEDED = (
-    "{names} need a profile of the neurons' ranges on training data before use.\n"
-    "Call `tracker.profile(train_batches)` first (any iterable of batches)."
-)
-
-SCALAR_LAYERS = (
-    "Coverage takes neurons from a batched output, and {names} output a scalar.\n"
-    "Observe a layer whose output is batched (e.g. the layer that feeds it), or leave it out "
-    "of `layers`."
-)
 
 
 class CoverageResult(PrintsAsTable, dict):
@@ -60,9 +57,7 @@ class CoverageResult(PrintsAsTable, dict):
         """
         unknown = [c for c in criteria if c not in self]
         if unknown:
-            raise InvalidSpecError(
-                f"No criterion {unknown[0]!r} in this result; it has {sorted(self)}."
-            )
+            raise UnknownCriterionError(name=unknown[0], known=sorted(self))
         notes: dict[str, list[str]] = {}
         for crit in criteria or list(self):
             for key, value in self[crit]["layers"].items():
@@ -116,9 +111,7 @@ class Tracker:
         **kwargs: Any,
     ):
         if granularity not in GRANULARITIES:
-            raise InvalidSpecError(
-                f"granularity must be one of {GRANULARITIES}, got {granularity!r}."
-            )
+            raise ChoiceError(option="granularity", choices=GRANULARITIES, value=granularity)
         self.criteria = _checked_criteria(criteria)
         self.granularity = granularity
         self.position = position
@@ -158,9 +151,7 @@ class Tracker:
             acc = self._observer.run(_PROFILE, batch, self._profile_step, acc)
             seen = True
         if not seen:
-            raise InvalidSpecError(
-                "`profile` got no batches; pass an iterable of training batches."
-            )
+            raise NoBatchesError()
         self._profile = acc
 
     def update(self, batch: Any) -> None:
@@ -172,10 +163,13 @@ class Tracker:
         for crit in self.criteria:
             limit = getattr(crit, "capacity", None)
             if limit is not None and self._seen + n > limit:
-                raise SliceError(
-                    f"{crit.name} keeps the activation pattern of every input and holds at most "
-                    f"{limit}; {self._seen} were seen and this batch has {n}. Make it with a larger "
-                    f"`capacity` (e.g. {type(crit).__name__}(capacity={2 * (self._seen + n)}))."
+                raise CapacityError(
+                    criterion=crit.name,
+                    capacity=limit,
+                    seen=self._seen,
+                    batch=n,
+                    kind=type(crit).__name__,
+                    suggested=2 * (self._seen + n),
                 )
         self._state = self._observer.run(
             _UPDATE, batch, self._update_step, self._state, self._profile
@@ -198,7 +192,7 @@ class Tracker:
     def _check_profile(self) -> None:
         needing = [n for n, c in zip(self._names, self.criteria, strict=True) if c.needs_profile]
         if needing and self._profile is None:
-            raise SliceError(PROFILE_NEEDED.format(names=", ".join(needing)))
+            raise ProfileNeededError(names=", ".join(needing))
 
     def _layer_outputs(self, outputs: Any) -> Any:
         """`outputs` (the observed outputs) as one output per layer, stacked ones split."""
@@ -244,9 +238,7 @@ def _checked_criteria(criteria: Sequence[Criterion] | None) -> list[Criterion]:
     criteria = list(criteria)
     bad = [c for c in criteria if not isinstance(c, Criterion)]
     if not criteria or bad:
-        raise InvalidSpecError(
-            f"`criteria` must be a non-empty list of criteria such as js.coverage.NC(0.5), got {bad or criteria!r}."
-        )
+        raise CriteriaSpecError(criteria=bad or criteria)
     return criteria
 
 
@@ -254,7 +246,7 @@ def _neuron_counts(layers: list[str], shapes: list[tuple[int, ...]], granularity
     """Each layer's number of neurons, from its output shape alone (nothing is compiled)."""
     scalars = [name for name, shape in zip(layers, shapes, strict=True) if not shape]
     if scalars:
-        raise InvalidSpecError(SCALAR_LAYERS.format(names=", ".join(map(repr, scalars))))
+        raise ScalarLayersError(names=", ".join(map(repr, scalars)))
     return [neuron_count(shape, granularity) for shape in shapes]
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
-from .._errors import InvalidSpecError
+from .._errors import ChoiceError
 from .._table import PrintsAsTable
 from ._moments import Moments
 from ._observer import Observer
@@ -91,7 +91,7 @@ class ActivationStats:
         **kwargs: Any,
     ):
         if per not in PER:
-            raise InvalidSpecError(f"per must be one of {PER}, got {per!r}.")
+            raise ChoiceError(option="per", choices=PER, value=per)
         self.per = per
         self._observer = Observer(target, args, kwargs, names, position)
         self.names = self._observer.layers

@@ -26,7 +26,7 @@ from .._core.names import Resolver
 from .._core.ports import ActivationOf, single_output_id
 from .._core.program import SliceProgram
 from .._core.trace import Traced, trace
-from .._errors import InputMismatchError, InvalidSpecError
+from .._errors import BatchMismatchError, ChoiceError, LayersSpecError, NoLayersError
 from .._table import describe
 from .._trees import abstract, is_traced_leaf
 
@@ -132,7 +132,7 @@ class Observer:
         """`also_outputs`: at ``position="activation"``, observe each layer's output too
         (after all the activations, in the same order)."""
         if position not in POSITIONS:
-            raise InvalidSpecError(f"position must be one of {POSITIONS}, got {position!r}.")
+            raise ChoiceError(option="position", choices=POSITIONS, value=position)
         traced = trace(target, args, kwargs)
         self.target = target
         self.layers = _ordered_layers(traced, default_layers(traced) if layers is None else layers)
@@ -157,9 +157,8 @@ class Observer:
         args = batch if isinstance(batch, tuple) else (batch,)
         leaves = _array_leaves(args)
         if len(leaves) != len(self.sample) or not all(map(_matches, leaves, self.sample)):
-            raise InputMismatchError(
-                f"A batch must hold the model's inputs with the sample's non-batch shapes and dtypes "
-                f"({_describe_leaves(self.sample)}); got ({_describe_leaves(leaves)})."
+            raise BatchMismatchError(
+                sample=_describe_leaves(self.sample), got=_describe_leaves(leaves)
             )
         return args
 
@@ -194,16 +193,12 @@ _compat.register_frames_exclusion(__file__)
 def _ordered_layers(traced: Traced, layers: Any) -> list[str]:
     """`layers` checked, without repeats, in call order."""
     if isinstance(layers, str) or not all(isinstance(n, str) for n in layers):
-        raise InvalidSpecError(
-            f"`layers` must be a list of boundary names or None, got {layers!r}."
-        )
+        raise LayersSpecError(layers=layers)
     resolver = Resolver(traced.graph)
     order = {name: _call_order(resolver, name)[0] for name in layers}
     layers = sorted(dict.fromkeys(layers), key=order.__getitem__)
     if not layers:
-        raise InvalidSpecError(
-            "No layers to observe: the model has no module with parameters; name `layers`."
-        )
+        raise NoLayersError()
     return layers
 
 

@@ -10,19 +10,8 @@ from typing import Any
 
 import networkx as nx
 
-from .._errors import SliceError
+from .._errors import DotFailedError, DotNotFoundError, DotSvgFailedError, DotTimeoutError
 from ._modulegraph import INPUTS, OUTPUT
-
-NO_DOT = (
-    "Rendering needs Graphviz's `dot` program, which was not found on PATH. Install it with "
-    "`apt-get install graphviz` (Debian/Ubuntu), `brew install graphviz` (macOS) or "
-    "`conda install graphviz`. `to_dot()` gives the DOT source without it."
-)
-
-DOT_TIMEOUT = (
-    "`dot` took more than {seconds:g} s to lay the graph out. Draw fewer levels with "
-    "`to_dot(depth=1)`, or render to a file with `render(path)`."
-)
 
 _IN, _OUT = "#dbe9ff", "#f2f2f2"
 
@@ -159,7 +148,7 @@ def to_dot(
 def _dot_program() -> str:
     exe = shutil.which("dot")
     if exe is None:
-        raise SliceError(NO_DOT)
+        raise DotNotFoundError()
     return exe
 
 
@@ -197,7 +186,7 @@ def render_dot(source: str, path: str | os.PathLike[str], *, format: str | None 
     finally:
         os.unlink(src)
     if done.returncode != 0:
-        raise SliceError(f"`dot` failed to render {path!r}: {done.stderr.strip()}")
+        raise DotFailedError(path=path, stderr=done.stderr.strip())
     return path
 
 
@@ -222,7 +211,7 @@ def dot_svg(source: str, *, timeout: float | None = None) -> str:
             timeout=timeout,
         )
     except subprocess.TimeoutExpired as error:
-        raise SliceError(DOT_TIMEOUT.format(seconds=timeout)) from error
+        raise DotTimeoutError(seconds=timeout) from error
     if done.returncode != 0:
-        raise SliceError(f"`dot` failed to draw SVG: {done.stderr.strip()}")
+        raise DotSvgFailedError(stderr=done.stderr.strip())
     return done.stdout

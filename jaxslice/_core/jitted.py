@@ -1,0 +1,152 @@
+"""A slice's calls through `jax.jit`: one jitted function per mode and `mutable`.
+
+`SliceProgram.apply_checked` looks up the compiled entry for a call's signature and
+checks every argument. Run on each call, that costs more than the slice itself for a
+small model, so `JitCalls` puts it under one `jax.jit` per mode and `mutable`: jit's own
+cache is keyed by the structure, shapes and dtypes of the variables and inputs, so
+jaxslice's lookup and checks run when that function traces, and a call whose leaves
+differ in any way traces, and is checked, again. A repeated call costs what a jitted
+function costs.
+
+Arguments `jax.jit` cannot take as they are (strings, objects, Python numbers where the
+trace fixed them) and jaxslice's own errors are redone on the checked path, which gives
+the reference behaviour; after an argument `jax.jit` cannot take, calls of that kind
+stay on the checked path. Random keys (`rngs`), keyword inputs and ``strict=False`` are
+never jitted here.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import jax
+
+from .._caches import LRU
+from .._errors import SliceError
+from .._trees import is_traced_leaf
+from .checks import check_alive, mode_value
+
+#: errors after which a call is redone with `apply_checked`: those of arguments
+#: `jax.jit` cannot take (strings, objects), of arguments it converts (Python numbers
+#: become arrays, where jaxslice would leave them alone), and jaxslice's own, raised
+#: again without JAX's frames
+_REDO = (TypeError, SliceError)
+_CHECKED = object()  # calls of this key go through `apply_checked`
+
+
+class NotJittable(SliceError):
+    """The outputs of this call hold constants of the trace (`Entry.static_outputs`)."""
+
+
+class JitCalls:
+    """The jitted calls of one `SliceProgram` (held weakly: the program holds this)."""
+
+    def __init__(self, program: Any, maxsize: int):
+        self._program = weakref.ref(program)
+        self._jits = LRU(maxsize)  # key -> jitted `apply_checked`, or `_CHECKED`
+        # Without a structure key, the target (which a program never swaps) decides the
+        # program: the usual call's key is a constant.
+        fixed = program.adapter.structure_key(program.target) is None
+        self._usual_key = (None,) if fixed else None
+        self._usual = None  # then, the usual call's jitted function, once made
+
+    def apply(
+        self,
+        variables: Any,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        rngs: Any = None,
+        mutable: Any = False,
+        strict: bool = True,
+    ) -> Any:
+        """`SliceProgram.apply`: through the jitted function of this kind of call where
+        there is one, else (and to raise any error) through `apply_checked`."""
+        program = self._program()
+        modes = {k: v for k, v in kwargs.items() if k not in program.keywords}
+        if any(map(is_traced_leaf, modes.values())):  # an array mode (`train=jnp.asarray(True)`)
+            program.check_mode(modes)  # an unknown keyword is named as such, not as a mode
+            kwargs = {**kwargs, **{k: mode_value(k, v) for k, v in modes.items()}}
+        key = self._key(program, kwargs, rngs, mutable, strict)
+        try:
+            jitted = self._jits.peek(key) or self._new_jitted(key, kwargs, mutable)
+        except TypeError:  # an unhashable mode value or structure key
+            jitted = _CHECKED
+        if jitted is _CHECKED:
+            return program.apply_checked(variables, inputs, kwargs, rngs, mutable, strict)
+        try:
+            return jitted(variables, inputs)
+        except _REDO:
+            pass  # outside the handler, so that an error raised again is not chained
+        except RuntimeError:
+            check_alive(variables, inputs)
+            raise
+        return self._redo(key, variables, inputs, kwargs, rngs, mutable, strict)
+
+    def call(self, variables: Any, inputs: tuple[Any, ...]) -> Any:
+        """``apply(variables, inputs, {})``, the usual call (``sub(x)``), by the shortest
+        path: one attribute read (with a structure key, one dict read) and the jitted
+        function."""
+        jitted, key = self._usual, self._usual_key
+        if jitted is None:
+            if key is None:  # as `_key`
+                program = self._program()
+                key = (program.adapter.structure_key(program.target),)
+            try:
+                jitted = self._jits.peek(key)
+            except TypeError:  # an unhashable structure key
+                jitted = None
+            if jitted is None or jitted is _CHECKED:
+                return self.apply(variables, inputs, {})
+        try:
+            return jitted(variables, inputs)
+        except _REDO:
+            pass
+        except RuntimeError:
+            check_alive(variables, inputs)
+            raise
+        return self._redo(key, variables, inputs, {})
+
+    def _redo(self, key: Any, variables: Any, inputs: Any, kwargs: Any, *rest: Any) -> Any:
+        """`apply_checked` after the jitted function failed: it raises the error as jaxslice
+        does, or, if the arguments are fine but not for `jax.jit`, calls of this key are
+        not jitted from now on."""
+        out = self._program().apply_checked(variables, inputs, kwargs, *rest)
+        self._jits.put(key, _CHECKED)
+        if self._is_usual(key):
+            self._usual = None
+        return out
+
+    def _is_usual(self, key: Any) -> bool:
+        return self._usual_key is not None and key == self._usual_key
+
+    @staticmethod
+    def _key(program: Any, kwargs: dict[str, Any], rngs: Any, mutable: Any, strict: bool) -> Any:
+        """The key of the jitted function for a call, or None where calls of this kind are
+        not jitted: random keys (`jax.jit` would take Python numbers as keys), keyword
+        inputs, ``strict=False``."""
+        if rngs is not None or not strict or not program.keywords.isdisjoint(kwargs):
+            return None
+        structure = program.adapter.structure_key(program.target)
+        if mutable is False and not kwargs:
+            return (structure,)  # the usual call's key (`call`)
+        collections = tuple(mutable) if isinstance(mutable, list) else mutable
+        return tuple(kwargs.items()), collections, structure
+
+    def _new_jitted(self, key: Any, kwargs: dict[str, Any], mutable: Any) -> Any:
+        """`apply_checked` under `jax.jit` for calls of this key (`_CHECKED` for None)."""
+        if key is None:
+            return _CHECKED
+        traced = functools.partial(_jitted_apply, self._program, dict(kwargs), mutable)
+        jitted = jax.jit(traced)
+        self._jits.put(key, jitted)
+        if self._is_usual(key):
+            self._usual = jitted
+        return jitted
+
+
+def _jitted_apply(ref: Any, mode: dict[str, Any], mutable: Any, variables: Any, inputs: Any) -> Any:
+    """`SliceProgram.apply` as `jax.jit` traces it: for each new structure, shape and dtype
+    of the variables and inputs, the lookup and every check run again."""
+    return ref().apply_checked(variables, inputs, mode, None, mutable, jitting=True)

@@ -1,0 +1,212 @@
+"""Errors of the tools built on slices: observers (`js.observe`), coverage
+(`js.coverage`, its criteria and `generate`) and drawing with Graphviz."""
+
+from __future__ import annotations
+
+from .base import InputMismatchError, InvalidSpecError, SliceError
+
+# --------------------------------------------------------------------------- observers
+
+
+class ChoiceError(InvalidSpecError):
+    """An option (`per`, `position`, `granularity`) is not one of its choices."""
+
+    TEMPLATE = "{option} must be one of {choices}, got {value!r}."
+
+
+class LayersSpecError(InvalidSpecError):
+    """`layers` is neither a list of boundary names nor None."""
+
+    TEMPLATE = "`layers` must be a list of boundary names or None, got {layers!r}."
+
+
+class NoLayersError(InvalidSpecError):
+    """No `layers` were named and the model has no module with parameters."""
+
+    TEMPLATE = "No layers to observe: the model has no module with parameters; name `layers`."
+
+
+class BatchMismatchError(InputMismatchError):
+    """A batch does not hold the model's inputs with the sample's non-batch shapes."""
+
+    TEMPLATE = (
+        "A batch must hold the model's inputs with the sample's non-batch shapes and dtypes "
+        "({sample}); got ({got})."
+    )
+
+
+# --------------------------------------------------------------------------- coverage
+
+
+class PositiveIntegerError(InvalidSpecError):
+    """A criterion's count (``KMNC(k)``, ``TKNC(k)``, `capacity`) is not a positive integer."""
+
+    TEMPLATE = "{name} must be a positive integer, got {value!r}."
+
+
+class RatioError(InvalidSpecError):
+    """A pair criterion's `ratio` is not a finite number >= 1."""
+
+    TEMPLATE = "{name} ratio must be a finite number >= 1, got {ratio!r}."
+
+
+class ThresholdError(InvalidSpecError):
+    """NC's threshold is not a number in [0, 1)."""
+
+    TEMPLATE = "NC threshold must be a number in [0, 1), got {threshold!r}."
+
+
+class CriteriaSpecError(InvalidSpecError):
+    """`criteria` is empty or holds something other than criteria."""
+
+    TEMPLATE = (
+        "`criteria` must be a non-empty list of criteria such as js.coverage.NC(0.5), got "
+        "{criteria!r}."
+    )
+
+
+class ScalarLayersError(InvalidSpecError):
+    """Coverage was asked of layers that output a scalar."""
+
+    TEMPLATE = (
+        "Coverage takes neurons from a batched output, and {names} output a scalar.\n"
+        "Observe a layer whose output is batched (e.g. the layer that feeds it), or leave it out "
+        "of `layers`."
+    )
+
+
+class UnknownCriterionError(InvalidSpecError):
+    """A coverage result was asked for a criterion it does not have."""
+
+    TEMPLATE = "No criterion {name!r} in this result; it has {known}."
+
+
+class NoBatchesError(InvalidSpecError):
+    """`profile` was given no batches."""
+
+    TEMPLATE = "`profile` got no batches; pass an iterable of training batches."
+
+
+class ProfileNeededError(SliceError):
+    """Criteria that need a profile were used before `tracker.profile`."""
+
+    TEMPLATE = (
+        "{names} need a profile of the neurons' ranges on training data before use.\n"
+        "Call `tracker.profile(train_batches)` first (any iterable of batches)."
+    )
+
+
+class CapacityError(SliceError):
+    """A pair criterion was given more inputs than its `capacity`."""
+
+    TEMPLATE = (
+        "{criterion} keeps the activation pattern of every input and holds at most "
+        "{capacity}; {seen} were seen and this batch has {batch}. Make it with a larger "
+        "`capacity` (e.g. {kind}(capacity={suggested}))."
+    )
+
+
+# --------------------------------------------------------------------------- generate
+
+
+class AmbiguousCriterionError(InvalidSpecError):
+    """`generate` was given a criterion name the tracker has none or several of."""
+
+    TEMPLATE = (
+        "The tracker has {how} criteria matching {criterion!r}; name one of {names} (or pass "
+        "the criterion object)."
+    )
+
+
+class UngeneratableCriterionError(InvalidSpecError):
+    """`generate` was asked to search inputs for a criterion it does not search for."""
+
+    TEMPLATE = (
+        "`generate` searches inputs for NC, SignSign, ValueSign, SignValue and ValueValue, not "
+        "{name}."
+    )
+
+
+class PositiveNumberError(InvalidSpecError):
+    """A `generate` option is not a positive finite number."""
+
+    TEMPLATE = "`{name}` must be a positive finite number, got {value!r}."
+
+
+class PositiveCountError(InvalidSpecError):
+    """A `generate` option is not a positive integer."""
+
+    TEMPLATE = "`{name}` must be a positive integer, got {value!r}."
+
+
+class NoFloatSeedsError(InvalidSpecError):
+    """`generate` was given seeds without floating-point inputs."""
+
+    TEMPLATE = "`generate` moves floating-point inputs, and the seeds have none ({dtypes})."
+
+
+class BoundsSpecError(InvalidSpecError):
+    """`bounds` is neither ``(low, high)`` nor None."""
+
+    TEMPLATE = "`bounds` must be (low, high) or None, got {bounds!r}."
+
+
+class BoundsOrderError(InvalidSpecError):
+    """`bounds` has low >= high somewhere."""
+
+    TEMPLATE = "`bounds` must have low < high everywhere, got {bounds!r}."
+
+
+class BoundsShapeError(InvalidSpecError):
+    """`bounds` do not broadcast to the seeds' shape."""
+
+    TEMPLATE = "`bounds` of shapes {low} and {high} do not broadcast to the seeds' shape {shape}."
+
+
+class SeedsOutOfBoundsError(InvalidSpecError):
+    """Some seeds lie outside `bounds`."""
+
+    TEMPLATE = (
+        "Some seeds lie outside `bounds` {bounds!r}; clip them first, e.g. "
+        "np.clip(seeds, low, high)."
+    )
+
+
+class KeySpecError(InvalidSpecError):
+    """`key` is neither a `jax.random` key nor an int."""
+
+    TEMPLATE = "`key` must be a jax.random key or an int, got {key!r}."
+
+
+# --------------------------------------------------------------------------- Graphviz
+
+
+class DotNotFoundError(SliceError):
+    """Rendering needs Graphviz's `dot` program, which is not on PATH."""
+
+    TEMPLATE = (
+        "Rendering needs Graphviz's `dot` program, which was not found on PATH. Install it with "
+        "`apt-get install graphviz` (Debian/Ubuntu), `brew install graphviz` (macOS) or "
+        "`conda install graphviz`. `to_dot()` gives the DOT source without it."
+    )
+
+
+class DotFailedError(SliceError):
+    """Graphviz's `dot` failed to render a file."""
+
+    TEMPLATE = "`dot` failed to render {path!r}: {stderr}"
+
+
+class DotSvgFailedError(SliceError):
+    """Graphviz's `dot` failed to draw SVG."""
+
+    TEMPLATE = "`dot` failed to draw SVG: {stderr}"
+
+
+class DotTimeoutError(SliceError):
+    """Graphviz's `dot` took longer than the timeout to lay a graph out."""
+
+    TEMPLATE = (
+        "`dot` took more than {seconds:g} s to lay the graph out. Draw fewer levels with "
+        "`to_dot(depth=1)`, or render to a file with `render(path)`."
+    )

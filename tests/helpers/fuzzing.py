@@ -1,0 +1,49 @@
+"""What the differential fuzzers share: the seeds of a large run and the verdict on a
+(start, end) pair."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+
+def flat_ends(end: Any) -> list[Any]:
+    """The items of an `end` given as a list, a dict or one end."""
+    if isinstance(end, list):
+        return list(end)
+    if isinstance(end, dict):
+        return list(end.values())
+    return [end]
+
+
+def large_fuzz_seeds(config: Any, default_count: int) -> list[int]:
+    """The seeds of a large fuzz run, which runs only when selected (``-m fuzz_large`` or
+    ``JAXSLICE_FUZZ_LARGE=1``; the test is skipped otherwise): ``JAXSLICE_FUZZ_SEEDS=3,17``,
+    or ``JAXSLICE_FUZZ_N`` seeds (default `default_count`) from ``JAXSLICE_FUZZ_SEED0``."""
+    expr = config.getoption("markexpr") or ""
+    selected = "fuzz_large" in expr and "not fuzz_large" not in expr
+    if os.environ.get("JAXSLICE_FUZZ_LARGE") != "1" and not selected:
+        pytest.skip("the large fuzz run: select it with `-m fuzz_large` or JAXSLICE_FUZZ_LARGE=1")
+    if os.environ.get("JAXSLICE_FUZZ_SEEDS"):
+        return [int(s) for s in os.environ["JAXSLICE_FUZZ_SEEDS"].split(",")]
+    first = int(os.environ.get("JAXSLICE_FUZZ_SEED0", "1000"))
+    return list(range(first, first + int(os.environ.get("JAXSLICE_FUZZ_N", str(default_count)))))
+
+
+def pair_verdict(missing: bool, disconnected: bool, unused: bool, clash: bool) -> str:
+    """What a fuzz oracle expects of a (start, end) pair, from what its value graph says:
+    ``"valid"``, one reason to refuse it (``"missing"``, ``"disconnected"``), a borderline
+    case (``"unused"`` start, ``"clash"``: one value given twice) or ``"both"``."""
+    if missing and (disconnected or unused or clash):
+        return "both"
+    if disconnected:
+        return "both" if clash else "disconnected"
+    if missing:
+        return "missing"
+    if clash:
+        return "clash"
+    if unused:
+        return "unused"
+    return "valid"
