@@ -31,7 +31,7 @@ Groups (``--only``), each a module here:
                hand-truncated model's make_jaxpr, each / torchvision)
            14. a repeat slice of the traced model / torchvision build            <= 0.1
                (14b for information: the same after "layer2_3@0")
-           15. first feature map (build, compile, call) / jax.jit hand-written    <= 1.05
+           15. first feature map (build, compile, call) / jax.jit hand-written    <= 1.0
            16. sub(x) per call / a plain jitted function, tiny MLP, warm         <= 1.1
            17. first coverage.Tracker / first js.intermediates of its layers     <= 1.2
            (13, 13c, 13d, 14 and 14b are skipped without torch and torchvision)

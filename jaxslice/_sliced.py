@@ -60,7 +60,13 @@ class Sliced(ProgramView):
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         if kwargs:
             return self.apply(self.variables, *inputs, **kwargs)
-        program, view = self._program, self._view  # the jitted function's call (+ reading)
+        program, view = self._program, self._view
+        jitted = program.calls.usual  # once made, the usual call needs nothing else
+        if jitted is not None and view is None:
+            try:
+                return jitted(program.variables, inputs)
+            except Exception:
+                pass  # `call` tries again and, where it fails, raises as jaxslice does
         return program.call(program.variables if view is None else view(), inputs)
 
     def apply(

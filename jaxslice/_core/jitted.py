@@ -50,7 +50,9 @@ class JitCalls:
         # program: the usual call's key is a constant.
         fixed = program.adapter.structure_key(program.target) is None
         self._usual_key = (None,) if fixed else None
-        self._usual = None  # then, the usual call's jitted function, once made
+        #: then, the usual call's jitted function, once made (None until then, and after
+        #: calls of that kind left `jax.jit`)
+        self.usual = None
 
     def apply(
         self,
@@ -88,7 +90,7 @@ class JitCalls:
         """``apply(variables, inputs, {})``, the usual call (``sub(x)``), by the shortest
         path: one attribute read (with a structure key, one dict read) and the jitted
         function."""
-        jitted, key = self._usual, self._usual_key
+        jitted, key = self.usual, self._usual_key
         if jitted is None:
             if key is None:  # as `_key`
                 program = self._program()
@@ -115,7 +117,7 @@ class JitCalls:
         out = self._program().apply_checked(variables, inputs, kwargs, *rest)
         self._jits.put(key, _CHECKED)
         if self._is_usual(key):
-            self._usual = None
+            self.usual = None
         return out
 
     def _is_usual(self, key: Any) -> bool:
@@ -142,7 +144,7 @@ class JitCalls:
         jitted = jax.jit(traced)
         self._jits.put(key, jitted)
         if self._is_usual(key):
-            self._usual = jitted
+            self.usual = jitted
         return jitted
 
 

@@ -148,10 +148,11 @@ class SliceProgram:
             signature(self._traced_avals(self.base)), split.rngs, split.mode, split.mutable
         )
         self._entries.put(base_key, self.base)
-        self._calls = JitCalls(self, MAX_ENTRIES)
+        #: the calls through `jax.jit` (`apply`, `call`)
+        self.calls = JitCalls(self, MAX_ENTRIES)
         #: ``apply(variables, inputs, {})``, the usual call (``sub(x)``), by the shortest
         #: path (`JitCalls.call`; an attribute, not a method: no call in between)
-        self.call = self._calls.call
+        self.call = self.calls.call
 
     @classmethod
     def build(
@@ -186,7 +187,7 @@ class SliceProgram:
         Through one `jax.jit` per mode and `mutable` where it can (see `jitted`), else
         (and to raise any error) through `apply_checked`.
         """
-        return self._calls.apply(variables, inputs, kwargs, rngs, mutable, strict)
+        return self.calls.apply(variables, inputs, kwargs, rngs, mutable, strict)
 
     def apply_checked(
         self,
