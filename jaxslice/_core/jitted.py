@@ -41,7 +41,8 @@ class NotJittable(SliceError):
 
 
 class JitCalls:
-    """The jitted calls of one `SliceProgram` (held weakly: the program holds this)."""
+    """The jitted calls of one `SliceProgram`, which it holds weakly (the program holds
+    this object)."""
 
     def __init__(self, program: Any, maxsize: int):
         self._program = weakref.ref(program)
@@ -50,8 +51,8 @@ class JitCalls:
         # program: the usual call's key is a constant.
         fixed = program.adapter.structure_key(program.target) is None
         self._usual_key = (None,) if fixed else None
-        #: then, the usual call's jitted function, once made (None until then, and after
-        #: calls of that kind left `jax.jit`)
+        #: with that constant key, the usual call's jitted function once made (None
+        #: before, and after calls of that kind left `jax.jit`); `Sliced` calls it directly
         self.usual = None
 
     def apply(

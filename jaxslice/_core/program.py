@@ -8,15 +8,13 @@ new cut. With a `start`, only the batch size may change. Every view users hold â
 the NNX slice module, `js.intermediates`, observers, interpreters, the editor â€” is a thin
 layer over this class's public methods.
 
-Calls (`apply`) go through one `jax.jit` per mode and `mutable`, whose own cache is keyed
-by the structure, shapes and dtypes of the variables and inputs: jaxslice's lookup and
-checks run when that function traces, so a repeated call costs what a jitted function
-costs, and a call whose leaves differ in any way traces, and is checked, again. Arguments
-`jax.jit` cannot take as they are (strings, Python numbers where the trace fixed them) and
-errors are redone on the checked path, which gives the reference behaviour.
+It is a facade over pure parts: binding a call's inputs and the model's inputs for a
+re-trace (`arguments`), finding the variables a plan reads (`variables`), repeated calls
+under one `jax.jit` per mode and `mutable` (`jitted`), and export (`exporting`).
 
 The program keeps only what it needs: the variables the slice reads (the original
-arrays, pruned) and the shapes of everything else.
+arrays, pruned) and the shapes of everything else. It never changes the `Traced` it is
+made from.
 """
 
 from __future__ import annotations
