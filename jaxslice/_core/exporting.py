@@ -24,13 +24,12 @@ def input_specs(entry: Any, batch: Any = None) -> tuple[list[Any], dict[str, Any
 
     With `batch` (a dimension, e.g. symbolic), every input's leading axis is `batch`.
     """
-    avals = entry.traced.graph.avals
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
     for arg in entry.plan.arguments:
         if any(i is None for i in arg.slot_ids):
             raise FixedLeavesExportError(arg=arg.describe())
-        specs = [jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in arg.slot_ids]
+        specs = list(entry.avals(arg.slot_ids))
         if batch is not None:
             specs = [with_batch(a, 0 if jnp.ndim(a) else None, batch) for a in specs]
         value = jax.tree_util.tree_unflatten(arg.tree, specs)

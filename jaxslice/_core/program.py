@@ -86,7 +86,12 @@ class Entry:
     @functools.cached_property
     def variable_avals(self) -> tuple[jax.ShapeDtypeStruct, ...]:
         """The shape and dtype traced for each variable the entry reads."""
-        return _avals(self, self.plan.variable_ids)
+        return self.avals(self.plan.variable_ids)
+
+    def avals(self, ids: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The shape and dtype traced for each of the values `ids`."""
+        g = self.traced.graph
+        return tuple(jax.ShapeDtypeStruct(g.avals[i].shape, g.avals[i].dtype) for i in ids)
 
     @functools.cached_property
     def static_outputs(self) -> bool:
@@ -106,11 +111,6 @@ def make_entry(traced: Traced, start: Any, end: Any) -> Entry:
     ids = [p.variable_ids, p.rng_ids, p.input_ids]
     fn = emit_.emit(traced.graph, p.program, ids, p.output_ids + p.state_ids)
     return Entry(traced, p, fn, jax.jit(fn))
-
-
-def _avals(entry: Entry, ids: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
-    g = entry.traced.graph
-    return tuple(jax.ShapeDtypeStruct(g.avals[i].shape, g.avals[i].dtype) for i in ids)
 
 
 class SliceProgram:
@@ -304,7 +304,7 @@ class SliceProgram:
         return input_leaves(self.base.plan, self.base.traced.split.args, inputs, kw_inputs)
 
     def _traced_avals(self, entry: Entry) -> tuple[jax.ShapeDtypeStruct, ...]:
-        return _avals(entry, entry.plan.input_ids)
+        return entry.avals(entry.plan.input_ids)
 
     def _retrace(
         self, avals: tuple[Any, ...], inputs: tuple[Any, ...], kw_inputs: dict[str, Any], call: Any
@@ -373,8 +373,7 @@ class SliceProgram:
     def extract(self, full_variables: Any) -> Any:
         """The slice's part of a model's full variables (the inverse of `merge`)."""
         plan_ = self.base.plan
-        avals = _avals(self.base, plan_.variable_ids)
-        return variables_.extract(full_variables, plan_.variable_paths, avals)
+        return variables_.extract(full_variables, plan_.variable_paths, self.base.variable_avals)
 
     def merge(self, full_variables: Any, new_variables: Any) -> Any:
         """The model's variables with the slice's entries replaced by `new_variables`
@@ -402,7 +401,7 @@ class SliceProgram:
         """The re-emitted program (a closed jaxpr) for the shapes it was sliced with."""
         e = self.base
         p = e.plan
-        groups = [_avals(e, p.variable_ids), _avals(e, p.rng_ids), _avals(e, p.input_ids)]
+        groups = [e.avals(p.variable_ids), e.avals(p.rng_ids), e.avals(p.input_ids)]
         return _compat.make_jaxpr(e.fn, *groups)[0]
 
     def summary(self) -> str:
