@@ -8,11 +8,16 @@ jaxslice's lookup and checks run when that function traces, and a call whose lea
 differ in any way traces, and is checked, again. A repeated call costs what a jitted
 function costs.
 
-Arguments `jax.jit` cannot take as they are (strings, objects, Python numbers where the
-trace fixed them) and jaxslice's own errors are redone on the checked path, which gives
-the reference behaviour; after an argument `jax.jit` cannot take, calls of that kind
-stay on the checked path. Random keys (`rngs`), keyword inputs and ``strict=False`` are
-never jitted here.
+Which calls take the jitted path is decided before the call, from the inputs: every leaf
+must be an array (`jax.Array`, NumPy's arrays and scalars); a call with strings, objects or
+Python numbers (which `jax.jit` would turn into arrays where the trace fixed them) goes
+through `apply_checked`, and later calls with arrays are jitted again. Random keys
+(`rngs`), keyword inputs and ``strict=False`` are never jitted here. Two things only
+`jax.jit`'s own trace can tell, so they are learnt at the first trace of a kind of call
+and that kind stays on the checked path from then on: variables with leaves that are not
+arrays, and outputs that hold constants of the trace (`NotJittable`). jaxslice's own errors
+raised while jit traces (a wrong shape) are raised again by `apply_checked`, without JAX's
+frames.
 """
 
 from __future__ import annotations
@@ -22,17 +27,20 @@ import weakref
 from typing import Any
 
 import jax
+import numpy as np
 
 from .._caches import LRU
 from .._errors import SliceError
 from .._trees import is_traced_leaf
 from .checks import check_alive, mode_value
 
-#: errors after which a call is redone with `apply_checked`: those of arguments
-#: `jax.jit` cannot take (strings, objects), of arguments it converts (Python numbers
-#: become arrays, where jaxslice would leave them alone), and jaxslice's own, raised
-#: again without JAX's frames
+#: errors after which a call is redone with `apply_checked`: jaxslice's own (raised again
+#: without JAX's frames), `NotJittable`, and those of variables `jax.jit` cannot take
 _REDO = (TypeError, SliceError)
+#: the leaves `jax.jit` takes as they are; ``type(x) in _ARRAY_TYPES`` is the quick test,
+#: with the types of those seen so far (JAX's array type is known only once one exists)
+_ARRAYS = (jax.Array, np.ndarray, np.generic)
+_ARRAY_TYPES = {np.ndarray}
 _CHECKED = object()  # calls of this key go through `apply_checked`
 
 
@@ -71,7 +79,7 @@ class JitCalls:
         if any(map(is_traced_leaf, modes.values())):  # an array mode (`train=jnp.asarray(True)`)
             program.check_mode(modes)  # an unknown keyword is named as such, not as a mode
             kwargs = {**kwargs, **{k: mode_value(k, v) for k, v in modes.items()}}
-        key = self._key(program, kwargs, rngs, mutable, strict)
+        key = self._key(program, kwargs, rngs, mutable, strict) if _arrays(inputs) else None
         try:
             jitted = self._jits.peek(key) or self._new_jitted(key, kwargs, mutable)
         except TypeError:  # an unhashable mode value or structure key
@@ -92,6 +100,9 @@ class JitCalls:
         path: one attribute read (with a structure key, one dict read) and the jitted
         function."""
         jitted, key = self.usual, self._usual_key
+        for x in inputs:  # as `_arrays`, with the quick test inline (this is every call)
+            if type(x) not in _ARRAY_TYPES and not _arrays(x):
+                return self.apply(variables, inputs, {})
         if jitted is None:
             if key is None:  # as `_key`
                 program = self._program()
@@ -147,6 +158,14 @@ class JitCalls:
         if self._is_usual(key):
             self.usual = jitted
         return jitted
+
+
+def _arrays(tree: Any) -> bool:
+    """Whether every leaf of `tree` is an array `jax.jit` takes as it is."""
+    if isinstance(tree, _ARRAYS):
+        _ARRAY_TYPES.add(type(tree))
+        return True
+    return all(isinstance(x, _ARRAYS) for x in jax.tree_util.tree_leaves(tree))
 
 
 def _jitted_apply(ref: Any, mode: dict[str, Any], mutable: Any, variables: Any, inputs: Any) -> Any:

@@ -51,24 +51,19 @@ from .loop_requests import request
 from .loop_rows import Fixed, mark_state_rows
 from .markers import INPUT, OUTPUT
 from .names import LoopRef, Resolver, fill, parse
-from .ports import flat_ports
+from .ports import spec_items
 
 
 def loop_refs(graph: Graph, start: Any, end: Any) -> list[LoopRef]:
     """The names in `start` and `end` that pick iterations of calls inside scans."""
     resolver = Resolver(graph)
-    specs = [(spec, INPUT) for spec in _specs(start)]
-    specs += [(_name_of(spec), OUTPUT) for spec in _specs(end)]
+    specs = [(spec, INPUT) for spec in spec_items(start)]
+    specs += [(_name_of(spec), OUTPUT) for spec in spec_items(end)]
     found = [(spec, resolver.loop_ref(spec, port)) for spec, port in specs]
     refs = [ref for _, ref in found if ref is not None]
     if refs:
         resolver.check_wholes([spec for spec, ref in found if ref is None], refs)
     return refs
-
-
-def _specs(spec: Any) -> list[Any]:
-    """The names of a `start` or `end` (one, a list, a tuple or a dict of them)."""
-    return flat_ports(tuple(spec) if isinstance(spec, list) else spec)
 
 
 def _name_of(spec: Any) -> Any:

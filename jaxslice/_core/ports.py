@@ -156,6 +156,17 @@ def port_value_tree(graph: Graph, port: Port) -> Any:
     return trees[0] if len(trees) == 1 else tuple(trees)
 
 
+def spec_items(spec: Any) -> list[Any]:
+    """The names of a `start` or `end` as a user gives them (one, a list, a tuple or a
+    dict of them, None for none), in order: how every reader of a specification lists it
+    before resolving it."""
+    if spec is None:
+        return []
+    if isinstance(spec, (list, tuple)):
+        return list(spec)
+    return list(spec.values()) if isinstance(spec, dict) else [spec]
+
+
 def flat_ports(ends: Any) -> list[Any]:
     """The items of an end specification (a single item, a tuple or a dict), in order."""
     if isinstance(ends, tuple):

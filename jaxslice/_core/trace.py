@@ -32,6 +32,7 @@ from . import markers
 from .build import Signature, build
 from .graph import Graph
 from .names import parse, split_indices
+from .ports import spec_items
 
 
 @dataclasses.dataclass
@@ -62,20 +63,9 @@ def trace(
 
 def stop_specs(start: Any, end: Any) -> list[Any] | None:
     """The names a trace must reach for a slice from `start` to `end` (None: everything)."""
-    ends = _as_list(end)
-    starts = [] if start is None else _as_list(start)
-    if end is None or ends is None or starts is None:
+    if end is None:
         return None
-    return [s for s in starts if s is not None] + ends
-
-
-def _as_list(spec: Any) -> list[Any] | None:
-    """A `start` or `end` as a list of its names; None when it is of another form."""
-    if isinstance(spec, str):
-        return [spec]
-    if isinstance(spec, dict):
-        return list(spec.values())
-    return list(spec) if isinstance(spec, (list, tuple)) else None
+    return [s for s in spec_items(start) if s is not None] + spec_items(end)
 
 
 # Call counts per boundary name of models already traced in full, so that a later trace

@@ -262,3 +262,24 @@ def test_a_repeated_call_hashes_variable_paths_no_more_than_jax_jit():
     assert hashes(lambda: sub(x)) <= plain
     assert hashes(lambda: sub.apply(params, x)) <= plain
     assert_trees_all_close(sub(x), jitted(params, x))
+
+
+def test_a_call_with_a_python_number_leaves_array_calls_jitted():
+    """Whether a call takes the jitted path is decided from its inputs before the call: one
+    with a Python number (here the one the trace fixed) goes through the checked path, and
+    array calls after it stay as cheap as before it."""
+
+    def f(params, x, n):
+        return x @ params["w"] * n
+
+    params = {"w": jnp.ones((3, 2))}
+    x = jnp.ones((4, 3))
+    sub = js.slice(f, params, x, 2)
+    for _ in range(3):
+        sub(x)
+    warm = min(_python_calls(lambda: sub(x)) for _ in range(3))
+    assert_trees_all_close(sub(x, 2), f(params, x, 2))
+    for _ in range(2):
+        sub(x)
+    assert min(_python_calls(lambda: sub(x)) for _ in range(3)) == warm
+    assert_trees_all_close(sub(x), f(params, x, 2))
