@@ -31,15 +31,14 @@ import numpy as np
 
 from .._caches import LRU
 from .._errors import SliceError
-from .._trees import is_traced_leaf
+from .._trees import is_array, is_traced_leaf
 from .checks import check_alive, mode_value
 
 #: errors after which a call is redone with `apply_checked`: jaxslice's own (raised again
 #: without JAX's frames), `NotJittable`, and those of variables `jax.jit` cannot take
 _REDO = (TypeError, SliceError)
-#: the leaves `jax.jit` takes as they are; ``type(x) in _ARRAY_TYPES`` is the quick test,
-#: with the types of those seen so far (JAX's array type is known only once one exists)
-_ARRAYS = (jax.Array, np.ndarray, np.generic)
+#: the types of the leaves `jax.jit` takes as they are (`is_array`) seen so far, for the
+#: quick test ``type(x) in _ARRAY_TYPES`` (JAX's array type is known only once one exists)
 _ARRAY_TYPES = {np.ndarray}
 _CHECKED = object()  # calls of this key go through `apply_checked`
 
@@ -162,10 +161,10 @@ class JitCalls:
 
 def _arrays(tree: Any) -> bool:
     """Whether every leaf of `tree` is an array `jax.jit` takes as it is."""
-    if isinstance(tree, _ARRAYS):
+    if is_array(tree):
         _ARRAY_TYPES.add(type(tree))
         return True
-    return all(isinstance(x, _ARRAYS) for x in jax.tree_util.tree_leaves(tree))
+    return all(map(is_array, jax.tree_util.tree_leaves(tree)))
 
 
 def _jitted_apply(ref: Any, mode: dict[str, Any], mutable: Any, variables: Any, inputs: Any) -> Any:

@@ -162,9 +162,7 @@ def spec_items(spec: Any) -> list[Any]:
     before resolving it."""
     if spec is None:
         return []
-    if isinstance(spec, (list, tuple)):
-        return list(spec)
-    return list(spec.values()) if isinstance(spec, dict) else [spec]
+    return flat_ports(tuple(spec) if isinstance(spec, list) else spec)
 
 
 def flat_ports(ends: Any) -> list[Any]:
