@@ -33,6 +33,7 @@ from ._core import exporting
 from ._core.checks import check_mutable
 from ._core.evaluate import BoundaryEvent, Hooks
 from ._core.evaluate import evaluate as evaluate_graph
+from ._core.jaxprs import row
 from ._core.markers import INPUT, OUTPUT, Origin, is_marking, mark_side, new_record
 from ._core.program import SliceProgram
 from ._edit_nodes import Node, Tables, describe_shapes, same_shapes
@@ -424,9 +425,7 @@ def _only(event: BoundaryEvent, when: Any, compute: Callable[[], Any], otherwise
 def _rows(tree: Any, rows: Sequence[Any]) -> Any:
     """Row ``rows[0]``, then ``rows[1]``, ... of every leaf (a static or traced index)."""
     for r in rows:
-        tree = jax.tree_util.tree_map(
-            lambda x, r=r: jax.lax.dynamic_index_in_dim(x, r, keepdims=False), tree
-        )
+        tree = jax.tree_util.tree_map(lambda x, r=r: row(x, r), tree)
     return tree
 
 

@@ -1,10 +1,10 @@
 """`js.intermediates`: values at chosen boundaries from one compiled call.
 
 It is a slice from the model's inputs to a dict of ends, so only what the requested values
-need is computed (nothing past the last one). Programs are kept in the shared bounded
-cache, keyed by everything that changes them: the model (its structure for NNX), the
-names, the shapes and dtypes of variables and inputs, the mode, `mutable` and the
-structure of `rngs`.
+need is computed (nothing past the last one). Programs are kept in a bounded cache,
+keyed by the names and by the key of traced programs (`trace.traced_key`: the model,
+the paths, shapes and dtypes of variables, the inputs, the mode, `mutable` and the
+structure of `rngs`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from typing import Any
 from . import _compat
 from ._caches import LRU
 from ._core.program import SliceProgram
-from ._core.trace import trace
+from ._core.trace import trace, traced_key
 from ._errors import NamesSpecError
-from ._fingerprint import model_key
-from ._trees import nest, tree_key
+from ._trees import nest
 from .adapters import adapter_for
 
 _PROGRAMS = LRU(maxsize=16)
@@ -34,29 +33,6 @@ def _names(names: Any) -> tuple[str, ...] | None:
         shown = list(found) if found is not None else names
         raise NamesSpecError(names=shown)
     return found
-
-
-def _key(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: Any) -> Any:
-    adapter = adapter_for(target)
-    model = model_key(target)
-    if model is None:
-        return None
-    live = adapter.live_variables(target)
-    variables = tree_key(live if live is not None else args[:1])
-    inputs = args if live is not None else args[1:]
-    key = (
-        type(adapter),
-        adapter.structure_key(target),
-        model,
-        names,
-        variables,
-        tree_key((inputs, kwargs)),
-    )
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
 
 
 def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> dict[str, Any]:
@@ -83,13 +59,15 @@ def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> 
     (5, 8)
     """
     names = _names(names)
-    key = _key(target, args, kwargs, names)
+    adapter = adapter_for(target)
+    split = adapter.split(target, args, kwargs)
+    traced = traced_key(adapter, target, split)
+    key = None if traced is None else (names, traced)
     program = _PROGRAMS.get(key) if key is not None else None
-    if program is None or (program.adapter.holds_variables and program.target is not target):
+    if program is None or (adapter.holds_variables and program.target is not target):
         program = _program(target, args, kwargs, names)
         if key is not None:
             _PROGRAMS.put(key, program)
-    split = program.adapter.split(target, args, kwargs)
     values, state = program.apply_full(split)
     if not split.mutable or program.adapter.holds_variables:
         return values

@@ -25,6 +25,7 @@ from typing import Any
 from .. import _compat
 from .calls import Occurrence, call_name, calls_from_markers, index_names, number_calls
 from .graph import Eqn, Graph, LoopSite, Region, Slot
+from .jaxprs import Finder
 from .lifted import with_lifted_calls
 from .markers import PLACEHOLDER, Marker
 from .scopes import scope_prefixes, with_scope_calls
@@ -75,28 +76,12 @@ class StackedState:
     rows: dict[tuple[int, int], int]  # (first, last) piece -> the value with their rows new
 
 
-class BoundaryIndex:
+def boundary_finder(scopes: bool = False) -> Finder:
     """Which jaxprs and equations hold boundaries: marker equations or, with `scopes`,
     equations inside a `jax.named_scope` (at any depth; remembered per jaxpr)."""
-
-    def __init__(self, scopes: bool = False) -> None:
-        self.scopes = scopes
-        self._memo: dict[int, bool] = {}
-
-    def in_jaxpr(self, jaxpr: Any) -> bool:
-        key = id(jaxpr)
-        if key not in self._memo:
-            self._memo[key] = any(self._is_boundary(e) for e in jaxpr.eqns)
-        return self._memo[key]
-
-    def inside(self, eqn: Any) -> bool:
-        """Whether the jaxprs an equation holds (its bodies) hold boundaries."""
-        return any(self.in_jaxpr(s) for s in _compat.subjaxprs(eqn))
-
-    def _is_boundary(self, eqn: Any) -> bool:
-        if _compat.marker_payload(eqn) is not None:
-            return True
-        return (self.scopes and bool(_compat.eqn_scopes(eqn))) or self.inside(eqn)
+    return Finder(
+        lambda e: _compat.marker_payload(e) is not None or (scopes and bool(_compat.eqn_scopes(e)))
+    )
 
 
 class _Builder:
@@ -106,7 +91,7 @@ class _Builder:
         # With name-scope boundaries, a jit or remat body whose equations carry scopes is
         # inlined too, so the regions inside it are found.
         self.scopes = scopes
-        self.boundaries = BoundaryIndex(scopes)
+        self.boundaries = boundary_finder(scopes)
         # Scope regions inside loop bodies: listed, but not sliceable (one per iteration).
         self.loop_scopes: dict[tuple[str, ...], tuple[int, LoopSite]] = {}
         self.row_marks: list[tuple[RowMark, int, int | None]] = []  # (mark, position, value)

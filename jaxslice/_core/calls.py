@@ -15,7 +15,7 @@ from typing import Any
 
 from .graph import Call, LoopSite, Slot
 from .markers import INPUT, PLACEHOLDER, CallRecord, Marker, Origin
-from .names import shown, slot
+from .names import iteration_slot, shown
 
 
 @dataclasses.dataclass
@@ -150,7 +150,7 @@ def index_names(found: list[Occurrence], depth: int) -> None:
             continue
         top = min((n for n in names if o.template.startswith(n + "/")), key=len, default=None)
         top = o.template if top is None else top
-        o.template = top + slot(depth) + o.template[len(top) :]
+        o.template = top + iteration_slot(depth) + o.template[len(top) :]
 
 
 def number_calls(calls: list[Call]) -> None:

@@ -41,6 +41,7 @@ from .. import _compat
 from .._errors import HookStructureError
 from .emit import assemble
 from .graph import Call, Graph, innermost
+from .jaxprs import Env, Finder, carried_scan
 from .markers import INPUT, PLACEHOLDER
 from .names import STACKED, fill
 from .ports import Port, array_ids, port_value_tree
@@ -289,20 +290,8 @@ class _Loops:
             for c in graph.calls
             if c.loop is not None and c.record is not None and c.template is not None
         }
-        self._holds: dict[int, bool] = {}
-
-    def holds(self, eqn: Any) -> bool:
-        """Whether a boundary the graph lists is inside `eqn`'s bodies (at any depth)."""
-        return any(self._jaxpr_holds(j) for j in _compat.subjaxprs(eqn))
-
-    def _jaxpr_holds(self, jaxpr: Any) -> bool:
-        found = self._holds.get(id(jaxpr))
-        if found is None:
-            found = any(
-                self._is_ours(_compat.marker_payload(e)) or self.holds(e) for e in jaxpr.eqns
-            )
-            self._holds[id(jaxpr)] = found
-        return found
+        # whether a boundary the graph lists is inside an equation's bodies
+        self.holds = Finder(lambda e: self._is_ours(_compat.marker_payload(e))).inside
 
     def _is_ours(self, marker: Any) -> bool:
         return marker is not None and id(marker.record) in self.calls
@@ -333,7 +322,7 @@ class _Loops:
         which of `args` are the program's variables (a scanned row of stacked
         parameters, say): they are no module's input (SPEC: ports are arguments that are
         not parameters)."""
-        env: dict[Any, Any] = {}
+        env = Env()
         overlays: list[tuple[int, dict[Any, Any]]] = []  # replaced inputs, by record
         params = {v for v, f in zip(jaxpr.invars, free, strict=True) if f}
         params.update(jaxpr.constvars)
@@ -342,22 +331,21 @@ class _Loops:
             return _compat.is_literal(atom) or atom in params
 
         def read(atom: Any) -> Any:
-            if _compat.is_literal(atom):
-                return _compat.literal_value(atom)
-            for _, values in reversed(overlays):
-                if atom in values:
-                    return values[atom]
-            return env[atom]
+            if not _compat.is_literal(atom):
+                for _, values in reversed(overlays):
+                    if atom in values:
+                        return values[atom]
+            return env.read(atom)
 
-        _write(env, jaxpr.constvars, consts)
-        _write(env, jaxpr.invars, args)
+        env.write(jaxpr.constvars, consts)
+        env.write(jaxpr.invars, args)
         eqns, i = jaxpr.eqns, 0
         while i < len(eqns):
             marker = _compat.marker_payload(eqns[i])
             if marker is None:
                 ins = [read(a) for a in eqns[i].invars]
                 outs = self.run(eqns[i], ins, at, [is_param(a) for a in eqns[i].invars])
-                _write(env, eqns[i].outvars, outs)
+                env.write(eqns[i].outvars, outs)
                 i += 1
                 continue
             j = i + 1  # the markers of one call side are bound one after another
@@ -373,7 +361,7 @@ class _Loops:
         markers: Sequence[Any],
         read: Any,
         is_param: Any,
-        env: dict,
+        env: Env,
         overlays: list,
         at: _At,
     ) -> None:
@@ -406,7 +394,7 @@ class _Loops:
         if side == INPUT:
             overlays.append((id(record), replaced))
         else:
-            env.update(replaced)
+            env.values.update(replaced)
 
     # ------------------------------------------------------------------ scans
 
@@ -418,23 +406,23 @@ class _Loops:
         if n == 0:
             return _compat.bind_eqn(eqn, ins)
         consts = ins[:nc]
-        # The index is carried (a scan's own counter is not visible to its body): it
-        # counts down in a reverse scan, which visits the rows last to first.
-        first, move = (n - 1, -1) if parts.reverse else (0, 1)
         # A row of a stacked variable is a variable of the iteration; the carry is not.
         body_free = [*free[:nc], *[False] * nk, *free[nc + nk :]]
 
-        def step(state: tuple[list[Any], Any], x: list[Any]) -> Any:
-            c, i = state
+        def step(c: list[Any], i: Any, x: list[Any]) -> Any:
             token = self.hooks.open_loop()
             args = [*consts, *c, *x]
             outs = self.body(parts.jaxpr, parts.consts, args, at.inside(i), body_free)
             leaving = self.hooks.close_loop(token)
-            return (outs[:nk], i + move), (outs[nk:], leaving)
+            return outs[:nk], (outs[nk:], leaving)
 
-        start = (list(ins[nc : nc + nk]), jax.numpy.int32(first))
-        (carry, _), (ys, leaving) = jax.lax.scan(
-            step, start, list(ins[nc + nk :]), length=n, reverse=parts.reverse, unroll=parts.unroll
+        carry, (ys, leaving) = carried_scan(
+            step,
+            ins[nc : nc + nk],
+            list(ins[nc + nk :]),
+            rows=(0, n),
+            reverse=parts.reverse,
+            unroll=parts.unroll,
         )
         if leaving:
             self.hooks.leave_loop(dict(leaving))
@@ -465,12 +453,6 @@ def _all_params(tree: Any, is_param: Any) -> bool:
 
 def _same_side(marker: Any, first: Any) -> bool:
     return marker is not None and marker.record is first.record and marker.side == first.side
-
-
-def _write(env: dict[Any, Any], atoms: Sequence[Any], values: Sequence[Any]) -> None:
-    for v, x in zip(atoms, values, strict=True):
-        if not _compat.is_dropvar(v):
-            env[v] = x
 
 
 _compat.register_frames_exclusion(__file__)

@@ -14,6 +14,10 @@ random keys, and inputs.
 
 A `Call` is one module call: its name, call index, the value ids of its input and output
 leaves, and the equation span it covers. `build.py` makes a graph from a traced jaxpr.
+
+A graph is frozen once built (`Graph.freeze`): traced graphs are shared through the
+trace cache, so its fields are never assigned again and its lists become tuples; what
+is computed from a graph is remembered on it (`Graph.memo`).
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ class Call:
     out_seq: float = float("-inf")
     record: Any = None  # the `CallRecord` of a marked call
     # For a call in a scan body: its name with one iteration slot per enclosing scan
-    # (see `names.slot`); `name` shows each slot as ``[:]``.
+    # (see `names.iteration_slot`); `name` shows each slot as ``[:]``.
     template: str | None = None
     # For a call in a loop body: per side, ``{leaf: aval}`` of one iteration's values.
     loop_avals: tuple[dict[int, Any], dict[int, Any]] = dataclasses.field(
@@ -182,6 +186,32 @@ class Graph:
     # ``{state position: build.StackedState}`` (which value has which pieces' rows new).
     stacked_state: dict[int, Any] = dataclasses.field(default_factory=dict)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"a built Graph is frozen (assigning {name!r})")
+        object.__setattr__(self, name, value)
+
+    def freeze(self, **fields: Any) -> Graph:
+        """Ends building: sets the last `fields` (``partial=True``, ...), makes every
+        list a tuple, forgets what was remembered while building, and refuses
+        assignments from now on. Returns the graph."""
+        for name, value in fields.items():
+            setattr(self, name, value)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))
+        self.__dict__["_memos"] = {}
+        self.__dict__["_frozen"] = True
+        return self
+
+    def memo(self, name: str, make: Callable[[], Any]) -> Any:
+        """`make()`, remembered on the graph under `name` (the one memo of a graph)."""
+        memos = self.__dict__.setdefault("_memos", {})
+        if name not in memos:
+            memos.setdefault(name, make())  # two threads making it keep the first one
+        return memos[name]
+
     def new_value(self, aval: Any) -> int:
         self.avals.append(aval)
         return len(self.avals) - 1
@@ -201,50 +231,41 @@ class Graph:
 
     @property
     def _free(self) -> frozenset[int]:
-        cached = self.__dict__.get("_free_cache")
-        if cached is None:
-            cached = frozenset(self.variable_ids) | frozenset(self.rng_ids)
-            self.__dict__["_free_cache"] = cached
-        return cached
+        return self.memo("free_ids", lambda: frozenset((*self.variable_ids, *self.rng_ids)))
 
     @property
-    def program(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    def edges(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """The equations as ``(ins, outs)`` pairs, the form `analysis` works on."""
-        cached = self.__dict__.get("_program_cache")
-        if cached is None or len(cached) != len(self.eqns):
-            cached = [(e.ins, e.outs) for e in self.eqns]
-            self.__dict__["_program_cache"] = cached
-        return cached
+        return self.memo("edges", lambda: [(e.ins, e.outs) for e in self.eqns])
 
     def cut(self, starts: Collection[int], outputs: Sequence[int]) -> analysis.Cut:
         """`analysis.cut` over this graph: what computes `outputs` from `starts`."""
-        return analysis.cut(self.program, self.producer, starts, self.is_free, outputs)
+        return analysis.cut(self.edges, self.producer, starts, self.is_free, outputs)
 
     def frontier(
         self, starts: Collection[int], outputs: Sequence[int], is_landmark: Callable[[int], bool]
     ) -> list[int]:
         """`analysis.frontier` over this graph: the values missing from `starts`."""
         return analysis.frontier(
-            self.program, self.producer, starts, self.is_free, outputs, is_landmark
+            self.edges, self.producer, starts, self.is_free, outputs, is_landmark
         )
 
     def derived_from_inputs(self) -> frozenset[int]:
         """Values the model computes from its own inputs outside every module call and
         loop (positions, masks): a slice that also starts at the model's inputs computes
         them again instead of taking them."""
-        cached = self.__dict__.get("_derived")
-        if cached is None:
-            calls = [c for c in self.calls if c.loop is None and not c.is_scope]
-            owner = innermost(calls, len(self.eqns))
-            eqns = [
-                i
-                for i, e in enumerate(self.eqns)
-                if owner[i] is None and _compat.loop_primitive(e.jax_eqn) is None
-            ]
-            found = analysis.computable(self.program, self.input_ids, self.is_free, eqns)
-            cached = frozenset(found - set(self.input_ids))
-            self.__dict__["_derived"] = cached
-        return cached
+        return self.memo("derived", self._derived_from_inputs)
+
+    def _derived_from_inputs(self) -> frozenset[int]:
+        calls = [c for c in self.calls if c.loop is None and not c.is_scope]
+        owner = innermost(calls, len(self.eqns))
+        eqns = [
+            i
+            for i, e in enumerate(self.eqns)
+            if owner[i] is None and _compat.loop_primitive(e.jax_eqn) is None
+        ]
+        found = analysis.computable(self.edges, self.input_ids, self.is_free, eqns)
+        return frozenset(found - set(self.input_ids))
 
     def model_input_call(self) -> Call:
         """The model's own inputs as a pseudo call (used for `start=None`)."""

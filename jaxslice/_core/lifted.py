@@ -24,7 +24,7 @@ from .. import _compat
 from .calls import leaf_slots
 from .graph import Call, Graph, Slot
 from .markers import INPUT, OUTPUT, PLACEHOLDER, CallRecord
-from .names import slot
+from .names import iteration_slot
 from .ports import array_ids
 
 
@@ -60,7 +60,7 @@ def _is_lifted(c: Call, outside: set[str]) -> bool:
     loop = c.loop
     if loop is None or loop.parent is not None or not c.is_module or c.template is None:
         return False
-    return c.template == c.record.name + slot(0) and c.record.name not in outside
+    return c.template == c.record.name + iteration_slot(0) and c.record.name not in outside
 
 
 def _loop_as_call(g: Graph, readers: dict[int, list[int]], c: Call) -> Call:

@@ -27,12 +27,13 @@ import numpy as np
 
 from .. import _compat
 from .._errors import LoopNotWholeError
-from .build import BoundaryIndex, RowMark
+from .build import RowMark, boundary_finder
+from .jaxprs import Env, Finder, carried_scan, row
 from .lifted import body_ports
 from .loop_requests import Body, Edge, Loop, carry_ports, merged, only_record, pieces
 from .loop_rows import Derived, Fixed, Frame, Run, Stack, concat
 from .markers import INPUT, OUTPUT, PLACEHOLDER, CallRecord, Marker
-from .names import STACKED, fill, slot, slot_depths
+from .names import STACKED, fill, iteration_slot, slot_depths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Expander:
         self.rows_of: dict[int, tuple[Any, Stack]] = {}  # by id of one row of an outer loop
         self.loops = 0  # loops marked so far
         self.renamed: dict[Any, CallRecord] = {}
-        self.markers = BoundaryIndex()
+        self.markers = boundary_finder()
         self._edges: dict[int, dict[int, Any]] = {}
         self.fixed = Fixed()  # see `loop_rows.Fixed`
 
@@ -64,15 +65,15 @@ class Expander:
     def run(
         self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], body: Body, ctx: Ctx
     ) -> list[Any]:
-        env: dict[Any, Any] = {}
-        _write(env, jaxpr.constvars, consts)
-        _write(env, jaxpr.invars, args)
+        env = Env()
+        env.write(jaxpr.constvars, consts)
+        env.write(jaxpr.invars, args)
         for eqn in jaxpr.eqns:
-            ins = [_read(env, a) for a in eqn.invars]
+            ins = env.reads(eqn.invars)
             outs = self.eqn(eqn, ins, body, ctx)
             self.fixed.note(eqn.invars, ins, outs)
-            _write(env, eqn.outvars, outs)
-        return [_read(env, a) for a in jaxpr.outvars]
+            env.write(eqn.outvars, outs)
+        return env.reads(jaxpr.outvars)
 
     def eqn(self, eqn: Any, ins: list[Any], body: Body, ctx: Ctx) -> list[Any]:
         marker = _compat.marker_payload(eqn)
@@ -104,7 +105,7 @@ class Expander:
 
     def _holds(self, eqn: Any, body: Body) -> bool:
         """Whether a loop to split is inside `eqn` (a jit around the model, say)."""
-        return any(_finds(j, body.loops.keys()) for j in _compat.subjaxprs(eqn))
+        return Finder(lambda e: id(e) in body.loops).inside(eqn)
 
     def whole(
         self, eqn: Any, ins: list[Any], record: CallRecord, body: Body, ctx: Ctx
@@ -222,9 +223,9 @@ class Expander:
         run.carry = outs[: parts.num_carry]
         store = {key: run.one_row(v, x_k) for key, v in (local.store if local else {}).items()}
         ys = [y[None] for y in outs[parts.num_carry :]]
-        for y, row in zip(outs[parts.num_carry :], ys, strict=True):
+        for y, one in zip(outs[parts.num_carry :], ys, strict=True):
             if id(y) in self.stacks:  # an inner loop's stacked result, as one row
-                self.rows_of[id(row)] = (row, self.stacks[id(y)])
+                self.rows_of[id(one)] = (one, self.stacks[id(y)])
         return ys, store
 
     def _sub_stack(self, part: Any) -> Stack | None:
@@ -244,11 +245,9 @@ class Expander:
         params: set[Any] = set()  # values computed from parameters alone
         # The row index is carried (not scanned over), so that each stacked operand is read
         # with one dynamic slice per iteration, as the scan itself reads its own operands.
-        first, move = (b - 1, -1) if parts.reverse else (a, 1)
 
-        def step(state: tuple[list[Any], Any], _: Any) -> Any:
-            c, i = state
-            x = run.rows([_row(v, i) for v in run.xs])
+        def step(c: list[Any], i: Any, _: Any) -> Any:
+            x = run.rows([row(v, i) for v in run.xs])
             local = frame.fresh() if frame is not None else None
             sub = Ctx(False, (*ctx.path, STACKED), (local,) if local is not None else ())
             outs = self.run(parts.jaxpr, parts.consts, [*run.consts, *c, *x], body or Body(), sub)
@@ -257,11 +256,11 @@ class Expander:
             keys[:] = [k for k in found if fixed[k] is None]
             params.update(k for k in keys if self.fixed.is_param(found[k]))
             extra = [found[key] for key in keys]
-            return (list(outs[:nk]), i + move), (list(outs[nk:]), extra)
+            return outs[:nk], (list(outs[nk:]), extra)
 
-        start = (list(run.carry), jax.numpy.int32(first))
-        (carry, _), (ys, extra) = jax.lax.scan(
-            step, start, None, length=b - a, reverse=parts.reverse, unroll=_unroll(parts, b - a)
+        unroll = _unroll(parts, b - a)
+        carry, (ys, extra) = carried_scan(
+            step, run.carry, None, rows=rows, reverse=parts.reverse, unroll=unroll
         )
         run.carry = list(carry)
         store = {k: kind for k, kind in fixed.items() if kind is not None}
@@ -371,7 +370,7 @@ def _with_sides(record: CallRecord, sides: frozenset[str]) -> CallRecord:
 def _without_last_slot(template: str) -> str:
     """A call's template name without the slot of its innermost loop (that loop as a
     whole, as `names.lifted_template` names it)."""
-    last = slot(max(slot_depths(template)))
+    last = iteration_slot(max(slot_depths(template)))
     return template[: -len(last)] if template.endswith(last) else template
 
 
@@ -387,29 +386,6 @@ def _unroll(parts: Any, length: int) -> Any:
     if isinstance(unroll, int) and not isinstance(unroll, bool):
         return max(1, min(unroll, length))
     return unroll
-
-
-def _row(stacked: Any, i: Any) -> Any:
-    """Row `i` (a traced, non-negative index) of a stacked operand."""
-    return jax.lax.dynamic_index_in_dim(stacked, i, keepdims=False, allow_negative_indices=False)
-
-
-def _finds(jaxpr: Any, eqn_ids: Any) -> bool:
-    """Whether an equation with one of `eqn_ids` is in `jaxpr` (at any depth)."""
-    return any(
-        id(e) in eqn_ids or any(_finds(j, eqn_ids) for j in _compat.subjaxprs(e))
-        for e in jaxpr.eqns
-    )
-
-
-def _read(env: dict[Any, Any], atom: Any) -> Any:
-    return _compat.literal_value(atom) if _compat.is_literal(atom) else env[atom]
-
-
-def _write(env: dict[Any, Any], atoms: Sequence[Any], values: Sequence[Any]) -> None:
-    for v, x in zip(atoms, values, strict=True):
-        if not _compat.is_dropvar(v):
-            env[v] = x
 
 
 _compat.register_frames_exclusion(__file__)

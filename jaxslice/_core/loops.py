@@ -93,9 +93,7 @@ MAX_EXPANSIONS = 8
 def expanded(graph: Graph, refs: Sequence[LoopRef], state_rows: bool = True) -> Graph:
     """`expand`, remembered per graph and names."""
     key = (tuple((ref.spec, ref.key, ref.side) for ref in refs), state_rows)
-    cache = graph.__dict__.get("_expanded")
-    if cache is None:
-        cache = graph.__dict__.setdefault("_expanded", LRU(MAX_EXPANSIONS))
+    cache = graph.memo("expanded", lambda: LRU(MAX_EXPANSIONS))
     found = cache.get(key)
     if found is None:
         found = expand(graph, refs, state_rows)
@@ -126,9 +124,7 @@ def expand(graph: Graph, refs: Sequence[LoopRef], state_rows: bool = True) -> Gr
     avals = [_spec(v) for v in jaxpr.invars]
     expanded, _ = _compat.make_jaxpr(program, *avals)
     new = build(expanded, signature, name_scopes=name_scopes)
-    new.partial = graph.partial
-    new.aliases = _aliases(new, refs)
-    return new
+    return new.freeze(partial=graph.partial, aliases=_aliases(new, refs))
 
 
 def _aliases(graph: Graph, refs: Sequence[LoopRef]) -> dict[tuple[str, int | None], Any]:

@@ -64,7 +64,7 @@ def parse(spec: str) -> tuple[str, int | None, str | None]:
     return base, int(index) if index is not None else None, port
 
 
-def slot(depth: int) -> str:
+def iteration_slot(depth: int) -> str:
     """The iteration slot of the scan at `depth` in a call's template name."""
     return f"[\x00{depth}]"
 
@@ -355,7 +355,7 @@ def lifted_template(call: Call) -> str | None:
     loop, template = call.loop, call.template
     if loop is None or loop.parent is None or template is None or not call.is_module:
         return None
-    last = slot(loop.depth)
+    last = iteration_slot(loop.depth)
     if not template.endswith(last) or unslotted(template) != call.record.name:
         return None
     return template[: -len(last)]

@@ -56,7 +56,7 @@ class Plan:
     rng_ids: tuple[int, ...]
     state_paths: tuple[tuple[Any, ...], ...] = ()  # updated state the slice returns
     state_ids: tuple[int, ...] = ()
-    program: tuple[Any, ...] = ()  # the equations to run (`Eqn`s), regions folded back
+    to_run: tuple[Any, ...] = ()  # the equations to run (`Eqn`s), regions folded back
     updated_collections: tuple[str, ...] = ()  # collections the slice changes in this mode
     state_collections: tuple[str, ...] = ()  # collections the slice has state in
 
@@ -115,7 +115,7 @@ def parameters(graph: Graph) -> frozenset[int]:
     """Values a port never takes or yields as an input: the variables, and what the
     model computes from them alone (the row of a stacked parameter that a scan body
     passes to a call, ``w * 2``). A slice computes those from its own variables."""
-    found = analysis.parameter_values(graph.program, graph.variable_ids, graph.is_free)
+    found = analysis.parameter_values(graph.edges, graph.variable_ids, graph.is_free)
     return frozenset(found)
 
 
@@ -176,29 +176,29 @@ def _finish(graph: Graph, p: Plan) -> Plan:
     outputs = p.output_ids + p.state_ids
     result = graph.cut(p.input_ids, outputs) if p.state_ids else p.cut
     has_effects = lambda i: _compat.has_effects(graph.eqns[i].jax_eqn)  # noqa: E731
-    result = analysis.effects_inside(graph.program, result, p.input_ids, graph.is_free, has_effects)
+    result = analysis.effects_inside(graph.edges, result, p.input_ids, graph.is_free, has_effects)
     result, steps = _fold(graph, result, p.input_ids, outputs)
-    program = tuple(_step_eqn(graph, step) for step in steps)
-    _check_given(program, p.input_ids, outputs)
+    to_run = tuple(_step_eqn(graph, step) for step in steps)
+    _check_given(to_run, p.input_ids, outputs)
     used = result.used_free
     variables = [(v, q) for v, q in zip(graph.variable_ids, graph.variable_paths, strict=True)]
     variables = [(v, q) for v, q in variables if v in used]
     return dataclasses.replace(
         p,
         cut=result,
-        program=program,
+        to_run=to_run,
         variable_ids=tuple(v for v, _ in variables),
         variable_paths=tuple(q for _, q in variables),
         rng_ids=tuple(v for v in graph.rng_ids if v in used),
     )
 
 
-def _check_given(program: Sequence[Any], given: Sequence[int], outputs: Sequence[int]) -> None:
+def _check_given(to_run: Sequence[Any], given: Sequence[int], outputs: Sequence[int]) -> None:
     """A start value that a needed equation also computes replaces that result; the
     equation's other results the slice needs must not be computed from it."""
     given_set = set(given)
-    needed = {v for e in program for v in e.ins} | set(outputs)
-    for e in program:
+    needed = {v for e in to_run for v in e.ins} | set(outputs)
+    for e in to_run:
         mine = _positions(e.outs, lambda v: v in given_set)
         others = _positions(e.outs, lambda v: v not in given_set and v in needed)
         if mine and others and results_depend(e.jax_eqn, mine, others):
@@ -212,7 +212,7 @@ def _positions(values: Sequence[int], keep: Callable[[int], bool]) -> list[int]:
 def _fold(graph: Graph, result: analysis.Cut, starts: Any, outputs: Any) -> Any:
     spans = [analysis.Span(r.start, r.stop, r.eqn.ins, r.eqn.outs) for r in graph.regions]
     return analysis.fold(
-        graph.program,
+        graph.edges,
         graph.producer,
         spans,
         result,
@@ -251,7 +251,7 @@ def slice_state(
     """
     if rules is None:
         return []
-    computable = analysis.computable(graph.program, input_ids, graph.is_free)
+    computable = analysis.computable(graph.edges, input_ids, graph.is_free)
     taking = _participating_modules(graph, result, computable)
     stacked = graph.stacked_state
     variables = graph.variable_set

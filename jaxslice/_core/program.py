@@ -109,7 +109,7 @@ def make_entry(traced: Traced, start: Any, end: Any) -> Entry:
     rules = StateRules(adapter.state_owner, adapter.state_includes_variables)
     p = plan(traced.graph, start, end, traced.split.mutable, rules)
     ids = [p.variable_ids, p.rng_ids, p.input_ids]
-    fn = emit_.emit(traced.graph, p.program, ids, p.output_ids + p.state_ids)
+    fn = emit_.emit(traced.graph, p.to_run, ids, p.output_ids + p.state_ids)
     return Entry(traced, p, fn, jax.jit(fn))
 
 

@@ -78,13 +78,14 @@ _CALL_COUNTS = LRU(maxsize=64)
 _GRAPHS = LRU(maxsize=16)
 
 
-def _counts_key(adapter: Adapter, target: Any, split: Split) -> Any:
-    """What decides a traced program (SPEC "Reliability rules"): the model's structure
-    and everything it holds by value (`model_key`: a config object it reads, class
-    attributes), the paths, shapes and dtypes of variables, the inputs' structure,
-    shapes, dtypes and fixed values (each of its own type), the mode, `mutable` and the
-    random keys' structure. None when part of it cannot be hashed or described by value
-    (nothing is cached then)."""
+def traced_key(adapter: Adapter, target: Any, split: Split) -> Any:
+    """The key every cache of traced programs uses (here the graphs and call counts,
+    `js.intermediates` its programs): what decides a traced program (SPEC "Reliability
+    rules"), the model's structure and everything it holds by value (`model_key`: a
+    config object it reads, class attributes), the paths, shapes and dtypes of
+    variables, the inputs' structure, shapes, dtypes and fixed values (each of its own
+    type), the mode, `mutable` and the random keys' structure. None when part of it
+    cannot be hashed or described by value (nothing is cached then)."""
     model = model_key(target)
     if model is None:
         return None
@@ -137,7 +138,7 @@ def stop_rule(
     if ends is None or not adapter.can_stop_early(split) or not all(map(_is_name, ends)):
         return None
     parsed = [parse(spec) for spec in ends]
-    known = _CALL_COUNTS.get(_counts_key(adapter, target, split), {})
+    known = _CALL_COUNTS.get(traced_key(adapter, target, split), {})
     if any(index is None and known.get(base) != 1 for base, index, _ in parsed):
         return None
     return markers.StopRule(_needs(parsed))
@@ -183,7 +184,7 @@ def trace_split(adapter: Adapter, target: Any, split: Split, stop_at: Any = None
     """Traces a target from an existing split (new shapes, a new mode, ...), or takes a
     graph of the same model traced before at the same signature (`_cached_graph`)."""
     began = time.perf_counter()
-    key = _counts_key(adapter, target, split)
+    key = traced_key(adapter, target, split)
     graph = _cached_graph(key, adapter, target, split, stop_at)
     built = 0.0
     if graph is None:
@@ -291,11 +292,11 @@ def _trace_once(adapter: Adapter, target: Any, split: Split, mutable: Any, stop_
     )
     began = time.perf_counter()
     graph = build(closed, signature, name_scopes=adapter.name_scopes)
-    graph.partial = info["partial"]
-    if graph.partial:
-        graph.reached = dict(info["rule"].seen)
-    graph.build_seconds = time.perf_counter() - began
-    return graph
+    return graph.freeze(
+        partial=info["partial"],
+        reached=dict(info["rule"].seen) if info["partial"] else {},
+        build_seconds=time.perf_counter() - began,
+    )
 
 
 def _outputs(adapter: Adapter, out: Any, state: Any, info: dict[str, Any]) -> Any:

@@ -71,7 +71,7 @@ import pytest
 
 import jaxslice as js
 
-from helpers.fuzzing import flat_ends, large_fuzz_seeds, pair_verdict
+from helpers.fuzzing import ancestors, flat_ends, large_fuzz_seeds, pair_verdict
 from helpers.models import Identity
 from helpers.oracles import (
     assert_trees_all_close,
@@ -966,14 +966,7 @@ class Oracle:
     # ---- validity, from the generator's DAG only
 
     def ancestors(self, ids: list[int]) -> set[int]:
-        seen: set[int] = set()
-        stack = list(ids)
-        while stack:
-            v = stack.pop()
-            if v not in seen:
-                seen.add(v)
-                stack.extend(self.rec.parents[v])
-        return seen
+        return ancestors(self.rec.parents, ids)
 
     def classify(self, start: Any, end: Any) -> str:
         """What the DAG says about a slice from `start` to `end`.

@@ -25,7 +25,7 @@ from flax import nnx
 
 import jaxslice as js
 
-from helpers.fuzzing import flat_ends, pair_verdict
+from helpers.fuzzing import ancestors, flat_ends, pair_verdict
 from helpers.oracles import leaf_paths, random_variables
 
 B = 2  # batch
@@ -1178,14 +1178,7 @@ class Oracle:
         return {self.g.producer[v] for v in seen if v in self.g.producer}
 
     def ancestors(self, leaves: list[str]) -> set[str]:
-        seen: set[str] = set()
-        stack = list(leaves)
-        while stack:
-            v = stack.pop()
-            if v not in seen:
-                seen.add(v)
-                stack.extend(self.g.parents[v])
-        return seen
+        return ancestors(self.g.parents, leaves)
 
 
 def refused(o: Oracle, start: Any, end: Any) -> bool:

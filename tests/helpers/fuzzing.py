@@ -1,5 +1,5 @@
-"""What the differential fuzzers share: the seeds of a large run and the verdict on a
-(start, end) pair."""
+"""What the differential fuzzers share: the seeds of a large run, the verdict on a
+(start, end) pair and the ancestors of nodes in a generator's DAG."""
 
 from __future__ import annotations
 
@@ -7,6 +7,19 @@ import os
 from typing import Any
 
 import pytest
+
+
+def ancestors(parents: Any, start: Any) -> set[Any]:
+    """The nodes of a generator's DAG that `start` is computed from, `start` included
+    (``parents[v]``: the nodes `v` is computed from)."""
+    seen: set[Any] = set()
+    stack = list(start)
+    while stack:
+        v = stack.pop()
+        if v not in seen:
+            seen.add(v)
+            stack.extend(parents[v])
+    return seen
 
 
 def flat_ends(end: Any) -> list[Any]:

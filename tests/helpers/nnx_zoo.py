@@ -1,8 +1,9 @@
 """The NNX models and oracles shared by the NNX tests (`tests/adapters/test_nnx.py`,
-`tests/adapters/test_nnx_training.py`): `Zoo` (an MLP built from every NNX container) and
-`CNN` (conv, BatchNorm, Dropout), filled with random values by numpy and never compiled
-(`make_zoo`, `make_cnn`), their boundary names, eager oracles written out by hand
-(`zoo_eager`, `zoo_tail`, `cnn_eager_eval`, `cnn_tail`), and small pytree checks.
+`tests/adapters/test_nnx_training.py`, the observe tests): `Zoo` (an MLP built from every
+NNX container), `Residual` (a residual linear block) and `CNN` (conv, BatchNorm,
+Dropout), filled with random values by numpy and never compiled (`make_zoo`,
+`make_cnn`), their boundary names, eager oracles written out by hand (`zoo_eager`,
+`zoo_tail`, `cnn_eager_eval`, `cnn_tail`), and small pytree checks.
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ class Block(nnx.Module):
 
     def __call__(self, x):
         return jax.nn.relu(self.lin(x))
+
+
+class Residual(nnx.Module):
+    """``x + relu(linear(x))`` at width 4: the block of the observe tests' NNX models."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jax.nn.relu(self.linear(x))
 
 
 class Zoo(nnx.Module):

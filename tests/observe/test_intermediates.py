@@ -182,12 +182,7 @@ def test_plain_function_marks_and_scopes():
 def test_nnx_model_against_eager_submodules():
     from flax import nnx
 
-    class Block(nnx.Module):
-        def __init__(self, rngs):
-            self.linear = nnx.Linear(4, 4, rngs=rngs)
-
-        def __call__(self, x):
-            return x + jax.nn.relu(self.linear(x))
+    from helpers.nnx_zoo import Residual as Block
 
     class Model(nnx.Module):
         def __init__(self, rngs):

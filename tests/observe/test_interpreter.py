@@ -371,12 +371,7 @@ def test_replacing_one_argument_of_a_two_argument_module(skip_zoo):
 def test_nnx_model():
     from flax import nnx
 
-    class Block(nnx.Module):
-        def __init__(self, rngs):
-            self.linear = nnx.Linear(4, 4, rngs=rngs)
-
-        def __call__(self, x):
-            return x + jax.nn.relu(self.linear(x))
+    from helpers.nnx_zoo import Residual as Block
 
     class Model(nnx.Module):
         def __init__(self, rngs):

@@ -150,3 +150,44 @@ def test_a_bare_name_after_an_early_stop_still_traces_the_whole_model():
     js.slice(model, variables, x, end="b@1")  # stops after b's second call
     with pytest.raises(js.AmbiguousBoundaryError, match="'b@0', 'b@1'"):
         js.slice(model, variables, x, end="b")  # not taken from the partial trace
+
+
+def test_intermediates_programs_are_keyed_by_what_changes_the_trace():
+    """`js.intermediates` keeps one program per traced signature: a value the trace
+    fixes, a shape or a model that differs gets its own, and a repeat call reuses it."""
+    js.clear_caches()
+    model, x = Counted(), jnp.ones((3, 5))
+    variables = model.init(jax.random.key(0), x)
+
+    def body(scale, inputs=x):
+        return js.intermediates(model, variables, inputs, scale=scale, names=["head"])["head"]
+
+    for scale in (1.0, 2.0):
+        want = model.apply(variables, x, scale)
+        np.testing.assert_allclose(body(scale), want, rtol=1e-6)
+        again, n = _traces(lambda scale=scale: body(scale))
+        assert n == 0
+        np.testing.assert_allclose(again, want, rtol=1e-6)
+    wider = jnp.ones((4, 5))
+    out, n = _traces(lambda: body(1.0, wider))
+    assert n >= 1
+    np.testing.assert_allclose(out, model.apply(variables, wider), rtol=1e-6)
+
+
+def test_a_traced_graph_is_frozen_once_built():
+    """Graphs are shared through the trace cache: a graph that slices, intermediates and
+    boundaries read can no longer be changed, and slicing it twice changes nothing."""
+    from jaxslice._core.trace import trace
+
+    js.clear_caches()
+    model, x = Counted(), jnp.ones((3, 5))
+    variables = model.init(jax.random.key(0), x)
+    graph = trace(model, (variables, x), {}).graph
+    calls = [(c.qualname, c.start, c.stop) for c in graph.calls]
+    with pytest.raises(AttributeError, match="frozen"):
+        graph.partial = True
+    assert isinstance(graph.calls, tuple) and isinstance(graph.eqns, tuple)
+    js.slice(model, variables, x, start="head")
+    js.intermediates(model, variables, x, names=["body"])
+    assert trace(model, (variables, x), {}).graph is graph  # the cached graph, unchanged
+    assert [(c.qualname, c.start, c.stop) for c in graph.calls] == calls
