@@ -14,10 +14,10 @@ from typing import Any
 from . import _compat
 from ._caches import LRU
 from ._core.program import SliceProgram
-from ._core.trace import trace, traced_key
+from ._core.trace import trace_split, traced_key
 from ._errors import NamesSpecError
 from ._trees import nest
-from .adapters import adapter_for
+from .adapters import Adapter, Split, adapter_for
 
 _PROGRAMS = LRU(maxsize=16)
 
@@ -65,7 +65,7 @@ def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> 
     key = None if traced is None else (names, traced)
     program = _PROGRAMS.get(key) if key is not None else None
     if program is None or (adapter.holds_variables and program.target is not target):
-        program = _program(target, args, kwargs, names)
+        program = _program(adapter, target, split, names)
         if key is not None:
             _PROGRAMS.put(key, program)
     values, state = program.apply_full(split)
@@ -74,8 +74,8 @@ def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> 
     return values, nest([p for p, _ in state], [v for _, v in state])
 
 
-def _program(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: Any) -> Any:
-    traced = trace(target, args, kwargs, list(names) if names is not None else None)
+def _program(adapter: Adapter, target: Any, split: Split, names: Any) -> Any:
+    traced = trace_split(adapter, target, split, list(names) if names is not None else None)
     if names is None:
         names = [c.qualname for c in traced.graph.calls if c.loop is None]
     return SliceProgram(traced, None, {n: n for n in names})

@@ -63,7 +63,7 @@ def test_finder_looks_through_nested_bodies():
     assert not Finder(lambda e: e.primitive.name == "tan").in_jaxpr(jaxpr)
 
 
-def test_env_reads_literals_and_skips_dropped_outputs():
+def test_env_reads_literals_as_themselves():
     jaxpr = jax.make_jaxpr(lambda x: x + 1.0)(2.0).jaxpr
     env = Env()
     env.write(jaxpr.invars, [3.0])
