@@ -1,7 +1,9 @@
 """From a traced jaxpr to a `Graph` (stage 2 of the pipeline).
 
-The jaxpr's invars are (variables, random keys, array inputs), in that order. Equations
-are copied into the flat graph with fresh value ids; call-like equations (jit, remat,
+The jaxpr's invars are (variables, random keys, array inputs), in that order. The one
+evaluator (`jaxprs.Evaluator`) walks the jaxpr with this module's rules, on value ids
+instead of arrays: equations are copied into the flat graph with fresh value ids;
+call-like equations (jit, remat,
 custom_jvp/vjp) whose bodies hold boundaries are inlined and remembered as `Region`s.
 So are call-like equations with several results, so that a slice needing
 one result does not have to compute the others' inputs; they are run as the original
@@ -25,9 +27,9 @@ from typing import Any
 from .. import _compat
 from .calls import Occurrence, call_name, calls_from_markers, index_names, number_calls
 from .graph import Eqn, Graph, LoopSite, Region, Slot
-from .jaxprs import Finder
+from .jaxprs import Env, Evaluator, Finder
 from .lifted import with_lifted_calls
-from .markers import PLACEHOLDER, Marker
+from .markers import PLACEHOLDER
 from .scopes import scope_prefixes, with_scope_calls
 
 
@@ -84,7 +86,26 @@ def boundary_finder(scopes: bool = False) -> Finder:
     )
 
 
-class _Builder:
+class _Ids(Env):
+    """Value ids of the graph being built, by jaxpr variable; each literal read is a new
+    constant of the graph."""
+
+    def __init__(self, g: Graph) -> None:
+        super().__init__()
+        self.g = g
+
+    def read(self, atom: Any) -> int:
+        if _compat.is_literal(atom):
+            return self.g.new_const(_compat.literal_value(atom))
+        return self.values[atom]
+
+
+class _Builder(Evaluator):
+    """Graph building as rules of the one evaluator, run on value ids instead of arrays
+    (`ctx` is the enclosing named scopes): each equation is copied into the graph with
+    fresh ids for its results, a call-like equation holding boundaries (or with several
+    results) is inlined as a `Region`, and markers become `Occurrence`s."""
+
     def __init__(self, scopes: bool = False) -> None:
         self.g = Graph()
         self.occurrences: list[Occurrence] = []
@@ -96,62 +117,46 @@ class _Builder:
         self.loop_scopes: dict[tuple[str, ...], tuple[int, LoopSite]] = {}
         self.row_marks: list[tuple[RowMark, int, int | None]] = []  # (mark, position, value)
 
-    def read(self, env: dict[Any, int], atom: Any) -> int:
-        if _compat.is_literal(atom):
-            return self.g.new_const(_compat.literal_value(atom))
-        return env[atom]
-
-    def walk(self, jaxpr: Any, env: dict[Any, int], prefix: tuple[str, ...]) -> None:
-        for eqn in jaxpr.eqns:
-            scopes = prefix + _compat.eqn_scopes(eqn)
+    def call_side(self, markers: Sequence[Any], env: _Ids, prefix: tuple[str, ...]) -> None:
+        for eqn in markers:
             marker = _compat.marker_payload(eqn)
             if isinstance(marker, RowMark):
-                vid = self.read(env, eqn.invars[0]) if marker.kind == ROWS else None
+                vid = env.read(eqn.invars[0]) if marker.kind == ROWS else None
                 self.row_marks.append((marker, len(self.g.eqns), vid))
                 continue
-            if marker is not None:
-                self._occur(marker, env, eqn, scopes)
-                continue
-            inlined = self.boundaries.inside(eqn) or len(eqn.outvars) > 1
-            body = _compat.call_body(eqn) if inlined else None
-            if body is not None:
-                self.inline(eqn, body, env, scopes)
-            else:
-                self.copy(eqn, env, scopes)
+            vid = None if marker.leaf == PLACEHOLDER else env.read(eqn.invars[0])
+            scopes = prefix + _compat.eqn_scopes(eqn)
+            self.occurrences.append(Occurrence(marker, vid, len(self.g.eqns), scopes, None))
 
-    def _occur(self, marker: Marker, env: dict[Any, int], eqn: Any, scopes: tuple) -> None:
-        vid = None if marker.leaf == PLACEHOLDER else self.read(env, eqn.invars[0])
-        self.occurrences.append(Occurrence(marker, vid, len(self.g.eqns), scopes, None))
+    def call(
+        self, eqn: Any, body: Any, ins: list[int], env: _Ids, prefix: tuple[str, ...]
+    ) -> list[int]:
+        if not (self.boundaries.inside(eqn) or len(eqn.outvars) > 1):
+            return self.other(eqn, ins, env, prefix)
+        scopes = prefix + _compat.eqn_scopes(eqn)
+        jaxpr, consts = body
+        start = len(self.g.eqns)
+        outs = self.run(jaxpr, self.consts(consts), ins, scopes, _Ids(self.g))
+        opaque = not self.boundaries.inside(eqn)
+        region = Region(Eqn(eqn, tuple(ins), tuple(outs), scopes), start, len(self.g.eqns), opaque)
+        self.g.regions.append(region)
+        return outs
 
-    def copy(self, eqn: Any, env: dict[Any, int], scopes: tuple[str, ...]) -> None:
+    def other(self, eqn: Any, ins: list[int], env: _Ids, prefix: tuple[str, ...]) -> list[int]:
+        """The equation copied into the graph (a loop with the markers in its bodies)."""
         g = self.g
-        ins = tuple(self.read(env, a) for a in eqn.invars)
+        scopes = prefix + _compat.eqn_scopes(eqn)
         outs = tuple(g.new_value(_compat.aval_of(v)) for v in eqn.outvars)
-        _bind(env, eqn.outvars, outs)
         idx = len(g.eqns)
-        g.eqns.append(Eqn(eqn, ins, outs, scopes))
+        g.eqns.append(Eqn(eqn, tuple(ins), outs, scopes))
         g.producer.update(dict.fromkeys(outs, idx))
         if self.boundaries.inside(eqn):
             self.occurrences += self.loop_markers(eqn, scopes, idx, None)
+        return list(outs)
 
-    def inline(
-        self, eqn: Any, body: tuple[Any, Sequence[Any]], env: dict[Any, int], scopes: tuple
-    ) -> None:
-        jaxpr, consts = body
-        inner = self.const_env(jaxpr, consts)
-        ins = tuple(self.read(env, a) for a in eqn.invars)
-        inner.update(zip(jaxpr.invars, ins, strict=True))
-        start = len(self.g.eqns)
-        self.walk(jaxpr, inner, scopes)
-        outs = tuple(self.read(inner, atom) for atom in jaxpr.outvars)
-        _bind(env, eqn.outvars, outs)
-        opaque = not self.boundaries.inside(eqn)
-        region = Region(Eqn(eqn, ins, outs, scopes), start, len(self.g.eqns), opaque)
-        self.g.regions.append(region)
-
-    def const_env(self, jaxpr: Any, consts: Sequence[Any]) -> dict[Any, int]:
-        """An environment binding `jaxpr`'s constvars to new constants."""
-        return {v: self.g.new_const(c) for v, c in zip(jaxpr.constvars, consts, strict=True)}
+    def consts(self, consts: Sequence[Any]) -> list[int]:
+        """New constants of the graph for a jaxpr's constants."""
+        return [self.g.new_const(c) for c in consts]
 
     def loop_markers(
         self, eqn: Any, scopes: tuple[str, ...], pos: int, parent: LoopSite | None
@@ -194,21 +199,13 @@ class _Builder:
                 self.loop_scopes.setdefault(scope, (pos, loop))
 
 
-def _bind(env: dict[Any, int], outvars: Sequence[Any], ids: Sequence[int]) -> None:
-    """Binds each of `outvars` that is not a dropped variable to its value id."""
-    for v, vid in zip(outvars, ids, strict=True):
-        if not _compat.is_dropvar(v):
-            env[v] = vid
-
-
 def build(closed_jaxpr: Any, signature: Signature, *, name_scopes: bool = False) -> Graph:
     """Flattens a traced program whose invars are (variables, rngs, array inputs)."""
     b = _Builder(scopes=name_scopes)
     jaxpr, consts = _compat.open_jaxpr(closed_jaxpr)
-    env = b.const_env(jaxpr, consts)
-    _bind_invars(b.g, jaxpr.invars, env, signature)
-    b.walk(jaxpr, env, ())
-    _bind_outvars(b, jaxpr.outvars, env, signature)
+    const_ids = b.consts(consts)
+    outs = b.run(jaxpr, const_ids, _invars(b.g, jaxpr.invars, signature), (), _Ids(b.g))
+    _outvars(b.g, outs, signature)
     g = b.g
     g.source = (closed_jaxpr, signature, name_scopes)
     g.stacked_state = _stacked_state(b.row_marks)
@@ -220,12 +217,10 @@ def build(closed_jaxpr: Any, signature: Signature, *, name_scopes: bool = False)
     return g
 
 
-def _bind_invars(g: Graph, invars: Sequence[Any], env: dict[Any, int], sig: Signature) -> None:
+def _invars(g: Graph, invars: Sequence[Any], sig: Signature) -> list[int]:
+    """New values for the program's invars: (variables, random keys, array inputs)."""
     nv, nr = len(sig.variable_paths), sig.num_rngs
-    ids = []
-    for v in invars:
-        env[v] = g.new_value(_compat.aval_of(v))
-        ids.append(env[v])
+    ids = [g.new_value(_compat.aval_of(v)) for v in invars]
     g.variable_ids, g.rng_ids, g.input_ids = ids[:nv], ids[nv : nv + nr], ids[nv + nr :]
     g.variable_paths = list(sig.variable_paths)
     g.input_tree = sig.input_tree
@@ -233,17 +228,19 @@ def _bind_invars(g: Graph, invars: Sequence[Any], env: dict[Any, int], sig: Sign
     g.input_slots = [
         Slot(next(values)) if arr else Slot(None, next(statics)) for arr in sig.input_is_array
     ]
+    return ids
 
 
-def _bind_outvars(b: _Builder, outvars: Sequence[Any], env: dict[Any, int], sig: Signature) -> None:
-    g, outs = b.g, iter(outvars)
+def _outvars(g: Graph, ids: Sequence[int], sig: Signature) -> None:
+    """The program's results: the output's array leaves, then the updated state."""
+    outs = iter(ids)
     g.out_tree = sig.out_tree
     g.out_slots = [
-        Slot(None, sig.out_statics[i]) if i in sig.out_statics else Slot(b.read(env, next(outs)))
+        Slot(None, sig.out_statics[i]) if i in sig.out_statics else Slot(next(outs))
         for i in range(sig.out_tree.num_leaves)
     ]
     g.state_paths = list(sig.state_paths)
-    g.state_ids = [b.read(env, v) for v in outs]
+    g.state_ids = list(outs)
     if len(g.state_ids) != len(g.state_paths):
         raise AssertionError("the traced program returned state of an unexpected size")
 

@@ -1,4 +1,4 @@
-"""One evaluator for traced programs, with a rule per primitive where jaxslice changes meaning.
+"""The hook rules of the one evaluator: traced programs run again with every call shown.
 
 `evaluate` runs a traced graph again as an ordinary JAX function, binding its equations one
 by one (as `jax.core.eval_jaxpr` does), and shows `Hooks` every module call's two sides and
@@ -6,11 +6,12 @@ every equation; a hook may replace the values it is shown. `js.Interpreter`, `js
 the observers built on them are clients of this one evaluator.
 
 Model: the flat graph's equations run in program order, with boundary events at the
-positions where calls open and close. Inside a loop body there is no flat graph: the body
-jaxpr is walked with these rules, looked up per equation:
+positions where calls open and close, each equation by `_Rules`, the rules this module
+gives `jaxprs.Evaluator`. Inside a loop body there is no flat graph: the evaluator walks
+the body jaxpr with the same rules:
 
-* a marker equation is gathered with the markers next to it of the same call side and
-  shown to the hooks as one value (the call's arguments, or its result);
+* the markers of one call side (the walk hands them over together) are shown to the
+  hooks as one value (the call's arguments, or its result), and dropped;
 * a call-like equation (jit, remat, custom_jvp/vjp) whose body holds boundaries runs its
   body inline, so its calls are seen (as at the top level, where the graph inlines them);
 * a `scan` whose body holds boundaries **stays a scan**: a new `lax.scan` whose body is
@@ -32,7 +33,7 @@ equations. Boundaries in `while` and `cond` bodies are not shown (those run as t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -41,7 +42,7 @@ from .. import _compat
 from .._errors import HookStructureError
 from .emit import assemble
 from .graph import Call, Graph, innermost
-from .jaxprs import Env, Finder, carried_scan
+from .jaxprs import Env, Evaluator, Finder, carried_scan
 from .markers import INPUT, PLACEHOLDER
 from .names import STACKED, fill
 from .ports import Port, array_ids, port_value_tree
@@ -166,7 +167,7 @@ def _outside_loops(graph: Graph) -> list[Call]:
     return [c for c in graph.calls if c.loop is None]
 
 
-class _Env:
+class _GraphEnv:
     """Values by id; a replaced input is seen only by its own call's equations."""
 
     def __init__(self, values: dict[int, Any]):
@@ -197,10 +198,10 @@ def evaluate(
     values = dict(graph.consts)
     values.update(zip(graph.variable_ids, var_values, strict=True))
     values.update(zip(graph.rng_ids, rng_values, strict=False))
-    env = _Env({**values, **dict(zip(graph.input_ids, inputs, strict=True))})
+    env = _GraphEnv({**values, **dict(zip(graph.input_ids, inputs, strict=True))})
     events = _events(graph)
     owners = [[c.qualname] if c else [] for c in innermost(_outside_loops(graph), len(graph.eqns))]
-    loops = _Loops(graph, hooks)
+    rules = _Rules(graph, hooks)
     # Regions inlined only to drop dead code run as their original equation here, as
     # the hooks saw them before inlining (unless the hooks look inside call-like ones).
     regions = () if hooks.recurse else graph.regions
@@ -212,8 +213,10 @@ def evaluate(
         eqn, after = (region.eqn, region.stop) if region else (graph.eqns[pos], pos + 1)
         at = _At(pos, eqn.scopes, list(owners[pos]))
         ins = [env.read(v, pos) for v in eqn.ins]
-        free = [graph.is_free(v) for v in eqn.ins]  # variables, random keys, constants
-        env.values.update(zip(eqn.outs, loops.run(eqn.jax_eqn, ins, at, free), strict=True))
+        # the operands that are variables, random keys or constants, for the body rules
+        operands = _RuleEnv.operands(eqn.jax_eqn, map(graph.is_free, eqn.ins))
+        outs = rules.eqn(eqn.jax_eqn, ins, operands, at)
+        env.values.update(zip(eqn.outs, outs, strict=True))
         pos = after
     end = len(graph.eqns)
     _boundaries(graph, hooks, env, end, events.get(end, ()))
@@ -223,7 +226,7 @@ def evaluate(
 
 
 def _boundaries(
-    graph: Graph, hooks: Hooks, env: _Env, pos: int, events: Sequence[tuple[float, str, Call]]
+    graph: Graph, hooks: Hooks, env: _GraphEnv, pos: int, events: Sequence[tuple[float, str, Call]]
 ) -> None:
     """The boundary events at equation position `pos`, in order."""
     env.advance(pos)
@@ -280,8 +283,42 @@ class _Ref:
     leaf: int
 
 
-class _Loops:
-    """The rules for equations: loops kept as scans, call-like bodies with boundaries inline."""
+class _RuleEnv(Env):
+    """A jaxpr's values as the rules see them: which are the program's variables
+    (parameters), with replaced inputs overlaid (each seen until its call's output
+    side, by the call's own equations). At the top level, where the flat graph holds
+    the values, it only says which operands of the one equation are parameters."""
+
+    def __init__(self, params: set[Any]):
+        super().__init__()
+        self.params = params
+        self.overlays: list[tuple[int, dict[Any, Any]]] = []  # by id of the call's record
+
+    def read(self, atom: Any) -> Any:
+        if not _compat.is_literal(atom):
+            for _, values in reversed(self.overlays):
+                if atom in values:
+                    return values[atom]
+        return super().read(atom)
+
+    @classmethod
+    def operands(cls, eqn: Any, free: Iterable[bool]) -> _RuleEnv:
+        """At the top level: which operands of the one equation `eqn` are parameters."""
+        atoms = zip(eqn.invars, free, strict=True)
+        return cls({a for a, f in atoms if f and not _compat.is_literal(a)})
+
+    def is_param(self, atom: Any) -> bool:
+        return _compat.is_literal(atom) or atom in self.params
+
+    def params_of(self, eqn: Any) -> list[bool]:
+        """Which operands of `eqn` are the program's variables (or constants) themselves."""
+        return [self.is_param(a) for a in eqn.invars]
+
+
+class _Rules(Evaluator):
+    """The rules for equations: markers shown to the hooks, loops kept as scans,
+    call-like bodies with boundaries inline, every equation bound shown to the
+    equation hook."""
 
     def __init__(self, graph: Graph, hooks: Hooks):
         self.hooks = hooks
@@ -294,19 +331,24 @@ class _Loops:
         self.holds = Finder(lambda e: self._is_ours(_compat.marker_payload(e))).inside
 
     def _is_ours(self, marker: Any) -> bool:
-        return marker is not None and id(marker.record) in self.calls
+        return marker is not None and id(getattr(marker, "record", None)) in self.calls
 
-    # ------------------------------------------------------------------ one equation
+    # ------------------------------------------------------------------ the rules
 
-    def run(self, eqn: Any, ins: list[Any], at: _At, free: Sequence[bool]) -> list[Any]:
-        """One equation by its rule; the equation hook sees those that are bound. `free`
-        says which operands are the program's variables (or constants) themselves."""
-        if _compat.loop_primitive(eqn) == "scan" and self.holds(eqn):
-            return self.scan(eqn, ins, at, free)
-        body = _compat.call_body(eqn)
-        if body is not None and (self.hooks.recurse or self.holds(eqn)):
-            inner = at if at.inner else dataclasses.replace(at, inner=True)
-            return self.body(body[0], body[1], ins, inner, free)
+    def scan(self, eqn: Any, ins: list[Any], env: _RuleEnv, at: _At) -> list[Any]:
+        if not self.holds(eqn):
+            return self.other(eqn, ins, env, at)
+        return self._scan(eqn, ins, at, env.params_of(eqn))
+
+    def call(
+        self, eqn: Any, body: tuple[Any, Sequence[Any]], ins: list[Any], env: _RuleEnv, at: _At
+    ) -> list[Any]:
+        if not (self.hooks.recurse or self.holds(eqn)):
+            return self.other(eqn, ins, env, at)
+        inner = at if at.inner else dataclasses.replace(at, inner=True)
+        return self.body(body[0], body[1], ins, inner, env.params_of(eqn))
+
+    def other(self, eqn: Any, ins: list[Any], env: _RuleEnv, at: _At) -> list[Any]:
         outs = _compat.bind_eqn(eqn, ins)
         return self.hooks.equation(at.info(eqn), ins, outs)
 
@@ -322,64 +364,33 @@ class _Loops:
         which of `args` are the program's variables (a scanned row of stacked
         parameters, say): they are no module's input (SPEC: ports are arguments that are
         not parameters)."""
-        env = Env()
-        overlays: list[tuple[int, dict[Any, Any]]] = []  # replaced inputs, by record
         params = {v for v, f in zip(jaxpr.invars, free, strict=True) if f}
         params.update(jaxpr.constvars)
+        return self.run(jaxpr, consts, args, at, _RuleEnv(params))
 
-        def is_param(atom: Any) -> bool:
-            return _compat.is_literal(atom) or atom in params
-
-        def read(atom: Any) -> Any:
-            if not _compat.is_literal(atom):
-                for _, values in reversed(overlays):
-                    if atom in values:
-                        return values[atom]
-            return env.read(atom)
-
-        env.write(jaxpr.constvars, consts)
-        env.write(jaxpr.invars, args)
-        eqns, i = jaxpr.eqns, 0
-        while i < len(eqns):
-            marker = _compat.marker_payload(eqns[i])
-            if marker is None:
-                ins = [read(a) for a in eqns[i].invars]
-                outs = self.run(eqns[i], ins, at, [is_param(a) for a in eqns[i].invars])
-                env.write(eqns[i].outvars, outs)
-                i += 1
-                continue
-            j = i + 1  # the markers of one call side are bound one after another
-            while j < len(eqns) and _same_side(_compat.marker_payload(eqns[j]), marker):
-                j += 1
-            if self._is_ours(marker):
-                self._boundary(eqns[i:j], read, is_param, env, overlays, at)
-            i = j
-        return [read(a) for a in jaxpr.outvars]
+    def call_side(self, markers: Sequence[Any], env: _RuleEnv, at: _At) -> None:
+        """One side of a call the graph lists, shown to the hooks (the markers are
+        dropped: the program the hooks see has none)."""
+        first = _compat.marker_payload(markers[0])
+        if self._is_ours(first):
+            self._boundary(first.record, first.side, markers, env, at)
 
     def _boundary(
-        self,
-        markers: Sequence[Any],
-        read: Any,
-        is_param: Any,
-        env: Env,
-        overlays: list,
-        at: _At,
+        self, record: Any, side: str, markers: Sequence[Any], env: _RuleEnv, at: _At
     ) -> None:
-        first = _compat.marker_payload(markers[0])
-        record, side = first.record, first.side
         found = {}
         for m in markers:
             leaf = _compat.marker_payload(m).leaf
             if leaf != PLACEHOLDER:
                 found[leaf] = m.invars[0]
-        refs = _side_refs(record, side, lambda r: is_param(found[r.leaf]))
-        value = jax.tree_util.tree_map(lambda r: read(found[r.leaf]), refs)
+        refs = _side_refs(record, side, lambda r: env.is_param(found[r.leaf]))
+        value = jax.tree_util.tree_map(lambda r: env.read(found[r.leaf]), refs)
         event = BoundaryEvent(self.calls[id(record)], side, value, at.path, at.rows)
         if side == INPUT:
             at.owners.append(event.name)
         new = self.hooks.on_boundary(event)
         if side != INPUT:
-            overlays[:] = [o for o in overlays if o[0] != id(record)]
+            env.overlays[:] = [o for o in env.overlays if o[0] != id(record)]
             if at.owners:
                 at.owners.pop()
         if new is value:
@@ -392,13 +403,13 @@ class _Loops:
             if not _compat.is_literal(found[r.leaf])
         }
         if side == INPUT:
-            overlays.append((id(record), replaced))
+            env.overlays.append((id(record), replaced))
         else:
             env.values.update(replaced)
 
     # ------------------------------------------------------------------ scans
 
-    def scan(self, eqn: Any, ins: list[Any], at: _At, free: Sequence[bool]) -> list[Any]:
+    def _scan(self, eqn: Any, ins: list[Any], at: _At, free: Sequence[bool]) -> list[Any]:
         """A scan whose body holds boundaries, as a new scan whose body runs through the
         rules, with the iteration index carried for the hooks."""
         parts = _compat.scan_parts(eqn)
@@ -449,10 +460,6 @@ def _side_refs(record: Any, side: str, is_param: Any) -> Any:
 def _all_params(tree: Any, is_param: Any) -> bool:
     refs = jax.tree_util.tree_leaves(tree)
     return bool(refs) and all(is_param(r) for r in refs)
-
-
-def _same_side(marker: Any, first: Any) -> bool:
-    return marker is not None and marker.record is first.record and marker.side == first.side
 
 
 _compat.register_frames_exclusion(__file__)

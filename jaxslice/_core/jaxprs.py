@@ -1,10 +1,11 @@
-"""The jaxpr toolkit jaxslice's evaluators share: values by variable, deep searches of
-nested bodies, and the scan that carries its own iteration index.
+"""The jaxpr toolkit: one evaluator, values by variable, deep searches of nested bodies,
+and the scan that carries its own iteration index.
 
-Two evaluators run jaxprs again in the current trace: `evaluate` (a traced graph, with
-hooks at its boundaries) and `loop_expander` (a model's jaxpr, its named loops in
-pieces). Graph building (`build`) walks the same bodies. Each keeps its own rules for the
-equations it changes meaning of; what is here is what they did alike:
+`Evaluator` runs a jaxpr again in the current trace, equation by equation, each by the
+rule for its kind (a call side's markers, a scan, a call-like body, anything else).
+jaxslice's two clients override those rules: `evaluate._Rules` (hooks shown every module
+call of a traced graph, loops kept as loops) and `loop_expander.Expander` (a model's
+named loops run in pieces). Graph building (`build`) walks the same bodies.
 
 * `Env` holds one jaxpr's values (literals read as themselves, dropped outputs not kept);
 * `Finder` answers "is an equation like this inside these bodies, at any depth?", once
@@ -40,6 +41,86 @@ class Env:
         for v, x in zip(atoms, values, strict=True):
             if not _compat.is_dropvar(v):
                 self.values[v] = x
+
+
+class Evaluator:
+    """Runs jaxprs again in the current trace: one walk, a rule per kind of equation.
+
+    `run` walks a jaxpr in program order and hands each equation to the rule for its
+    kind; a subclass overrides the rules where it changes what an equation means:
+
+    * `call_side`: the markers of one side of one module call, together (jaxslice binds
+      them one after another);
+    * `scan`: a `scan` (where loops are kept as loops, or split into pieces);
+    * `call`: a call-like equation whose one body runs once (jit, remat, custom_jvp/vjp);
+    * `other`: every other equation (``while``, ``cond`` and the primitives).
+
+    Each default runs the equation as it is. `ctx` is the subclass's own (where the
+    equations run: an iteration, say), passed down unchanged by the walk; a rule may
+    `run` a body with another.
+    """
+
+    def run(
+        self,
+        jaxpr: Any,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        ctx: Any,
+        env: Env | None = None,
+    ) -> list[Any]:
+        env = Env() if env is None else env
+        env.write(jaxpr.constvars, consts)
+        env.write(jaxpr.invars, args)
+        eqns, i = jaxpr.eqns, 0
+        while i < len(eqns):
+            first = _compat.marker_payload(eqns[i])
+            if first is None:
+                eqn = eqns[i]
+                env.write(eqn.outvars, self.eqn(eqn, env.reads(eqn.invars), env, ctx))
+                i += 1
+                continue
+            j = i + 1
+            while j < len(eqns) and _same_side(_compat.marker_payload(eqns[j]), first):
+                j += 1
+            self.call_side(eqns[i:j], env, ctx)
+            i = j
+        return env.reads(jaxpr.outvars)
+
+    def eqn(self, eqn: Any, ins: list[Any], env: Env, ctx: Any) -> list[Any]:
+        """One equation that is not a marker, by the rule for its kind."""
+        if _compat.loop_primitive(eqn) == "scan":
+            return self.scan(eqn, ins, env, ctx)
+        body = _compat.call_body(eqn)
+        if body is not None:
+            return self.call(eqn, body, ins, env, ctx)
+        return self.other(eqn, ins, env, ctx)
+
+    def call_side(self, markers: Sequence[Any], env: Env, ctx: Any) -> None:
+        """The marker equations of one call side: bound again as they are."""
+        for m in markers:
+            env.write(m.outvars, _compat.bind_eqn(m, env.reads(m.invars)))
+
+    def scan(self, eqn: Any, ins: list[Any], env: Env, ctx: Any) -> list[Any]:
+        return self.other(eqn, ins, env, ctx)
+
+    def call(
+        self, eqn: Any, body: tuple[Any, Sequence[Any]], ins: list[Any], env: Env, ctx: Any
+    ) -> list[Any]:
+        """`body` is the equation's (jaxpr, consts), which `run` can evaluate inline."""
+        return self.other(eqn, ins, env, ctx)
+
+    def other(self, eqn: Any, ins: list[Any], env: Env, ctx: Any) -> list[Any]:
+        return _compat.bind_eqn(eqn, ins)
+
+
+def _same_side(marker: Any, first: Any) -> bool:
+    """Whether `marker` is of the same call side as `first` (row marks have no call)."""
+    record = getattr(first, "record", None)
+    return (
+        record is not None
+        and getattr(marker, "record", None) is record
+        and marker.side == first.side
+    )
 
 
 class Finder:

@@ -1,14 +1,15 @@
 """The evaluator `loops.expand` traces with: a program again, its named loops in pieces.
 
-`Expander.run` evaluates a jaxpr's equations one by one in the current trace, following
-a `loop_requests.Body`. A loop it names is run piece by piece (`Expander.loop`): the
-ranges of rows between named iterations as `lax.scan`s, each named iteration written
-out equation by equation under its own path, with the markers of its calls bound again
-as that iteration's calls (`Expander.record` makes one renamed `CallRecord` per call and
-path). Values that stacked names take are collected per piece (`loop_rows.Frame`) and
-marked once after the loop, each leaf as one value (`loop_rows.Run.whole`); calls named
-as whole iterations of the body's outermost call are marked on the loop's carry between
-pieces (`loop_requests.Edge`).
+`Expander` gives `jaxprs.Evaluator` its rules for markers, scans and call-like
+equations: it runs a jaxpr's equations one by one in the current trace, following a
+`loop_requests.Body` (`Ctx.body`). A loop it names is run
+piece by piece (`Expander.loop`): the ranges of rows between named iterations as
+`lax.scan`s, each named iteration written out equation by equation under its own path,
+with the markers of its calls bound again as that iteration's calls (`Expander.record`
+makes one renamed `CallRecord` per call and path). Values that stacked names take are
+collected per piece (`loop_rows.Frame`) and marked once after the loop, each leaf as one
+value (`loop_rows.Run.whole`); calls named as whole iterations of the body's outermost
+call are marked on the loop's carry between pieces (`loop_requests.Edge`).
 
 Sharp edge: stacked values computed from parameters alone come from one more scan that
 reads parameters alone (`Expander._parameter_stack`); a loop with side effects, or a
@@ -19,7 +20,6 @@ pieces instead.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -28,7 +28,7 @@ import numpy as np
 from .. import _compat
 from .._errors import LoopNotWholeError
 from .build import RowMark, boundary_finder
-from .jaxprs import Env, Finder, carried_scan, row
+from .jaxprs import Env, Evaluator, Finder, carried_scan, row
 from .lifted import body_ports
 from .loop_requests import Body, Edge, Loop, carry_ports, merged, only_record, pieces
 from .loop_rows import Derived, Fixed, Frame, Run, Stack, concat
@@ -38,14 +38,16 @@ from .names import STACKED, fill, iteration_slot, slot_depths
 
 @dataclasses.dataclass(frozen=True)
 class Ctx:
-    """Where the equations being run are: in which trace, iteration and stacking loops."""
+    """Where the equations being run are: in which trace, iteration and stacking loops,
+    and what the request names in them."""
 
     rebind: bool  # markers are bound again: the top-level trace, iterations written out in it
     path: tuple[Any, ...]  # the iteration of each enclosing scan (":" inside a piece)
     frames: tuple[Frame, ...]
+    body: Body
 
 
-class Expander:
+class Expander(Evaluator):
     """Runs jaxprs in the current trace with the loops a request names split into pieces,
     keeping the stacked results of loops whose pieces are marked (`stacks`)."""
 
@@ -62,54 +64,55 @@ class Expander:
 
     # ------------------------------------------------------------------ equations
 
-    def run(
-        self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], body: Body, ctx: Ctx
-    ) -> list[Any]:
-        env = Env()
-        env.write(jaxpr.constvars, consts)
-        env.write(jaxpr.invars, args)
-        for eqn in jaxpr.eqns:
-            ins = env.reads(eqn.invars)
-            outs = self.eqn(eqn, ins, body, ctx)
-            self.fixed.note(eqn.invars, ins, outs)
-            env.write(eqn.outvars, outs)
-        return env.reads(jaxpr.outvars)
+    def eqn(self, eqn: Any, ins: list[Any], env: Env, ctx: Ctx) -> list[Any]:
+        outs = super().eqn(eqn, ins, env, ctx)
+        self.fixed.note(eqn.invars, ins, outs)
+        return outs
 
-    def eqn(self, eqn: Any, ins: list[Any], body: Body, ctx: Ctx) -> list[Any]:
-        marker = _compat.marker_payload(eqn)
-        if marker is not None and ctx.path:
-            self.emit(marker.record, ctx.path, marker.side, marker.leaf, ins[0], ctx)
-            return [ins[0]]
-        whole = body.wholes.get(id(eqn))
+    def call_side(self, markers: Any, env: Env, ctx: Ctx) -> None:
+        """Inside a loop, each marker is the iteration's (`emit`); elsewhere it is bound
+        again as it is."""
+        for m in markers:
+            ins = env.reads(m.invars)
+            if ctx.path:
+                marker = _compat.marker_payload(m)
+                self.emit(marker.record, ctx.path, marker.side, marker.leaf, ins[0], ctx)
+                outs = [ins[0]]
+            else:
+                outs = _compat.bind_eqn(m, ins)
+            self.fixed.note(m.invars, ins, outs)
+            env.write(m.outvars, outs)
+
+    def scan(self, eqn: Any, ins: list[Any], env: Env, ctx: Ctx) -> list[Any]:
+        """A loop the request names (as a whole call, or by its iterations) runs in
+        pieces; so does one holding markers inside a loop written out (one piece)."""
+        whole = ctx.body.wholes.get(id(eqn))
         if whole is not None:
-            return self.whole(eqn, ins, whole, body, ctx)
-        loop = body.loops.get(id(eqn))
+            return self.whole(eqn, ins, whole, ctx)
+        loop = ctx.body.loops.get(id(eqn))
         if loop is not None:
             return self.loop(eqn, ins, loop, ctx)
-        if marker is None and self._looks_inside(eqn, body, ctx):
-            return self._inside(eqn, ins, body, ctx)
-        return _compat.bind_eqn(eqn, ins)
+        if self._looks_inside(eqn, ctx):  # a scan not named: one piece, no markers
+            return self.loop(eqn, ins, Loop(), ctx)
+        return self.other(eqn, ins, env, ctx)
 
-    def _looks_inside(self, eqn: Any, body: Body, ctx: Ctx) -> bool:
+    def call(self, eqn: Any, body: Any, ins: list[Any], env: Env, ctx: Ctx) -> list[Any]:
+        """jit, remat, ...: inline where its markers belong to an iteration written out,
+        or where it holds a loop to split."""
+        if self._looks_inside(eqn, ctx):
+            return self.run(body[0], body[1], ins, ctx)
+        return self.other(eqn, ins, env, ctx)
+
+    def _looks_inside(self, eqn: Any, ctx: Ctx) -> bool:
         """Inside a loop written out, every equation with markers; at the top level, those
         holding a loop to split."""
-        return self.markers.inside(eqn) and (bool(ctx.path) or self._holds(eqn, body))
-
-    def _inside(self, eqn: Any, ins: list[Any], body: Body, ctx: Ctx) -> list[Any]:
-        inner = _compat.call_body(eqn)
-        if inner is not None:  # jit, remat, ...: its markers belong to this iteration
-            return self.run(inner[0], inner[1], ins, body, ctx)
-        if _compat.loop_primitive(eqn) == "scan":  # a scan not named: one piece, no markers
-            return self.loop(eqn, ins, Loop(), ctx)
-        return _compat.bind_eqn(eqn, ins)
+        return self.markers.inside(eqn) and (bool(ctx.path) or self._holds(eqn, ctx.body))
 
     def _holds(self, eqn: Any, body: Body) -> bool:
         """Whether a loop to split is inside `eqn` (a jit around the model, say)."""
         return Finder(lambda e: id(e) in body.loops).inside(eqn)
 
-    def whole(
-        self, eqn: Any, ins: list[Any], record: CallRecord, body: Body, ctx: Ctx
-    ) -> list[Any]:
+    def whole(self, eqn: Any, ins: list[Any], record: CallRecord, ctx: Ctx) -> list[Any]:
         """A loop named as a whole call (``outer[2]/inner``): the call its body makes
         once per iteration, marked on the loop's own operands and results, which are
         what that call's caller passes and gets back."""
@@ -118,7 +121,7 @@ class Expander:
             raise LoopNotWholeError(name=self.record(record, ctx.path).name)
         for leaf, j in ports[1][INPUT].items():
             self.emit(record, ctx.path, INPUT, leaf, ins[j], ctx)
-        outs = self.loop(eqn, ins, body.loops.get(id(eqn)) or Loop(), ctx)
+        outs = self.loop(eqn, ins, ctx.body.loops.get(id(eqn)) or Loop(), ctx)
         for leaf, j in ports[1][OUTPUT].items():
             self.emit(record, ctx.path, OUTPUT, leaf, outs[j], ctx)
         return outs
@@ -217,9 +220,9 @@ class Expander:
         x_k = run.rows([jax.lax.index_in_dim(x, k, keepdims=False) for x in run.xs])
         local = run.frame.fresh() if run.frame is not None else None
         frames = ctx.frames + ((local,) if local is not None else ())
-        sub = Ctx(ctx.rebind, (*ctx.path, k), frames)
+        sub = Ctx(ctx.rebind, (*ctx.path, k), frames, body)
         parts = run.parts
-        outs = self.run(parts.jaxpr, parts.consts, [*run.consts, *run.carry, *x_k], body, sub)
+        outs = self.run(parts.jaxpr, parts.consts, [*run.consts, *run.carry, *x_k], sub)
         run.carry = outs[: parts.num_carry]
         store = {key: run.one_row(v, x_k) for key, v in (local.store if local else {}).items()}
         ys = [y[None] for y in outs[parts.num_carry :]]
@@ -249,8 +252,9 @@ class Expander:
         def step(c: list[Any], i: Any, _: Any) -> Any:
             x = run.rows([row(v, i) for v in run.xs])
             local = frame.fresh() if frame is not None else None
-            sub = Ctx(False, (*ctx.path, STACKED), (local,) if local is not None else ())
-            outs = self.run(parts.jaxpr, parts.consts, [*run.consts, *c, *x], body or Body(), sub)
+            frames = (local,) if local is not None else ()
+            sub = Ctx(False, (*ctx.path, STACKED), frames, body or Body())
+            outs = self.run(parts.jaxpr, parts.consts, [*run.consts, *c, *x], sub)
             found = local.store if local is not None else {}
             fixed.update((k, run.kind(v, x)) for k, v in found.items())
             keys[:] = [k for k in found if fixed[k] is None]

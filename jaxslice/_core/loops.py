@@ -117,7 +117,7 @@ def expand(graph: Graph, refs: Sequence[LoopRef], state_rows: bool = True) -> Gr
 
     def program(*args: Any) -> list[Any]:
         expander.fixed = Fixed((*args[:num_free], *consts), args[:num_vars])
-        outs = expander.run(jaxpr, consts, args, root, Ctx(True, (), ()))
+        outs = expander.run(jaxpr, consts, args, Ctx(True, (), (), root))
         mark_state_rows(expander.stacks, outs, signature, args)
         return outs
 

@@ -1,6 +1,6 @@
 """The jaxpr toolkit both evaluators share (`_core/jaxprs.py`), against plain Python
-loops and indexing, and what it buys a slice of a scanned stack: no nested `jit` per
-stacked parameter in the loop body.
+loops and indexing and the programs' own results, and what it buys a slice of a scanned
+stack: no nested `jit` per stacked parameter in the loop body.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import jaxslice as js
-from jaxslice._core.jaxprs import Env, Finder, carried_scan, row
+from jaxslice._core.jaxprs import Env, Evaluator, Finder, carried_scan, row
+from jaxslice._core.markers import marking
 
 from helpers.models import ScannedModel
 from helpers.oracles import count_primitive, iter_eqns
@@ -81,3 +82,72 @@ def test_a_slice_of_a_scanned_stack_adds_no_nested_jit_to_the_loop():
     for spec in ({"end": "layers[1]"}, {"start": "layers[1]"}):
         sub = js.slice(model, variables, x, **spec)
         assert count_primitive(sub.jaxpr, "jit") <= count_primitive(full, "jit"), spec
+
+
+def _every_kind(x):
+    """A program with each kind of equation: a jit, a scan, a while, a cond."""
+    y = jax.jit(lambda a: jnp.sin(a) * 2)(x)
+    y = jax.lax.scan(lambda c, r: (c + r, c * r), y, jnp.arange(3.0))[0]
+    y = jax.lax.fori_loop(0, jnp.int32(2), lambda i, c: c * 1.5, y)  # a while (traced bound)
+    return jax.lax.cond(y.sum() > 0, jnp.cos, jnp.tanh, y)
+
+
+def test_the_evaluator_with_its_default_rules_gives_the_programs_results():
+    x = jnp.linspace(-1.0, 1.0, 4)
+    closed = jax.make_jaxpr(_every_kind)(x)
+
+    def again(a):
+        return Evaluator().run(closed.jaxpr, closed.consts, [a], None)[0]
+
+    np.testing.assert_allclose(again(x), _every_kind(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(again)(x), _every_kind(x), rtol=1e-6)
+    # traced again, the program keeps its loops as loops
+    names = [e.primitive.name for e in jax.make_jaxpr(again)(x).jaxpr.eqns]
+    assert names == [e.primitive.name for e in closed.jaxpr.eqns]
+
+
+class _Recorder(Evaluator):
+    """Default rules that note which rule saw what."""
+
+    def __init__(self):
+        self.seen = []
+
+    def call_side(self, markers, env, ctx):
+        self.seen.append(("side", len(markers)))
+        super().call_side(markers, env, ctx)
+
+    def scan(self, eqn, ins, env, ctx):
+        self.seen.append(("scan", eqn.primitive.name))
+        return super().scan(eqn, ins, env, ctx)
+
+    def call(self, eqn, body, ins, env, ctx):
+        self.seen.append(("call", eqn.primitive.name))
+        return self.run(body[0], body[1], ins, ctx)  # inline: its equations reach the rules
+
+    def other(self, eqn, ins, env, ctx):
+        self.seen.append(("other", eqn.primitive.name))
+        return super().other(eqn, ins, env, ctx)
+
+
+def test_each_kind_of_equation_reaches_its_rule_and_a_call_side_comes_whole():
+    @js.mark("pair")
+    def pair(a, b):
+        return a * b
+
+    def model(x):
+        return _every_kind(pair(x, x + 1.0))
+
+    x = jnp.linspace(-1.0, 1.0, 4)
+    with marking():
+        closed = jax.make_jaxpr(model)(x)
+    recorder = _Recorder()
+    out = recorder.run(closed.jaxpr, closed.consts, [x], None)[0]
+    np.testing.assert_allclose(out, model(x), rtol=1e-6)
+    kinds = [k for k, _ in recorder.seen]
+    # the two input markers of `pair` come as one side, its one output marker as another
+    assert [s for s in recorder.seen if s[0] == "side"] == [("side", 2), ("side", 1)]
+    assert kinds.index("side") < kinds.index("call")
+    assert ("scan", "scan") in recorder.seen
+    assert ("call", "jit") in recorder.seen or ("call", "pjit") in recorder.seen
+    assert ("other", "while") in recorder.seen and ("other", "cond") in recorder.seen
+    assert ("other", "sin") in recorder.seen  # the jit's body, run inline by the call rule
