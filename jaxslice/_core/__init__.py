@@ -9,5 +9,6 @@ target --trace.py (markers.py)--> jaxpr --build.py--> Graph (graph.py)
 the engine every user-facing object is a view of (arguments.py binds a call's inputs,
 variables.py its variables, jitted.py puts repeated calls under `jax.jit`,
 exporting.py serves `export`). evaluate.py runs a whole graph with hooks, scans kept.
-jaxprs.py is what the two evaluators (evaluate.py, loop_expander.py) share.
+jaxprs.py is the one evaluator (a rule per kind of equation) and its toolkit; build.py,
+loop_expander.py and evaluate.py give it their rules.
 """

@@ -1,6 +1,6 @@
-"""The jaxpr toolkit both evaluators share (`_core/jaxprs.py`), against plain Python
-loops and indexing and the programs' own results, and what it buys a slice of a scanned
-stack: no nested `jit` per stacked parameter in the loop body.
+"""The jaxpr toolkit (`_core/jaxprs.py`): the one evaluator and what its clients share,
+against plain Python loops and indexing and the programs' own results, and what it buys
+a slice of a scanned stack: no nested `jit` per stacked parameter in the loop body.
 """
 
 from __future__ import annotations
