@@ -110,7 +110,7 @@ _PARTS: tuple[tuple[Any, Any], ...] = (
 
 
 def _array_key(x: Any) -> Hashable:
-    return tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False))
+    return tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False))
 
 
 def _cell(cell: Any) -> Any:

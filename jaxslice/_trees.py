@@ -47,7 +47,7 @@ def shape_key(x: Any) -> Any:
     Python number with its type (``1``, ``1.0`` and ``True`` trace different programs),
     or the leaf."""
     if is_traced_leaf(x):
-        return tuple(jax.numpy.shape(x)), str(x.dtype), is_weak(x)
+        return tuple(jax.numpy.shape(x)), x.dtype, is_weak(x)
     if isinstance(x, (bool, int, float, complex)):
         return type(x), x
     return hashable(x)

@@ -124,7 +124,7 @@ def _remember(key: Any, graph: Graph, adapter: Adapter) -> None:
 
 
 def stop_rule(
-    adapter: Adapter, target: Any, split: Split, ends: list[Any] | None
+    adapter: Adapter, target: Any, split: Split, ends: list[Any] | None, key: Any = None
 ) -> markers.StopRule | None:
     """How to end a trace early once these boundaries (`stop_specs`) ran, or None.
 
@@ -133,12 +133,14 @@ def stop_rule(
     (``name@k``) stops after that call. A bare name stops after its call only if the
     same model, traced in full before with these variables, inputs and mode, called that
     module exactly once; otherwise the whole model is traced, so a repeated call is still
-    reported as ambiguous.
+    reported as ambiguous. `key` is the split's `traced_key` where the caller has it.
     """
     if ends is None or not adapter.can_stop_early(split) or not all(map(_is_name, ends)):
         return None
     parsed = [parse(spec) for spec in ends]
-    known = _CALL_COUNTS.get(traced_key(adapter, target, split), {})
+    if key is None:
+        key = traced_key(adapter, target, split)
+    known = _CALL_COUNTS.get(key, {})
     if any(index is None and known.get(base) != 1 for base, index, _ in parsed):
         return None
     return markers.StopRule(_needs(parsed))
@@ -188,7 +190,7 @@ def trace_split(adapter: Adapter, target: Any, split: Split, stop_at: Any = None
     graph = _cached_graph(key, adapter, target, split, stop_at)
     built = 0.0
     if graph is None:
-        graph = _trace_widening(adapter, target, split, stop_at)
+        graph = _trace_widening(adapter, target, split, stop_at, key)
         _remember(key, graph, adapter)
         built = graph.build_seconds
     counts = adapter.parameter_counts(split.variables)
@@ -204,17 +206,19 @@ def _cached_graph(
     graph = _GRAPHS.get(key) if key is not None else None
     if graph is None or not graph.partial:
         return graph
-    rule = stop_rule(adapter, target, split, stop_at)
+    rule = stop_rule(adapter, target, split, stop_at, key)
     if rule is None or any(graph.reached.get(n, 0) < k for n, k in rule.needs.items()):
         return None
     return graph
 
 
-def _trace_widening(adapter: Adapter, target: Any, split: Split, stop_at: Any) -> Graph:
+def _trace_widening(
+    adapter: Adapter, target: Any, split: Split, stop_at: Any, key: Any = None
+) -> Graph:
     """Traces with the `mutable` asked for, or with more where the adapter says the
     model needs it (see `Adapter.wider_mutable`)."""
     try:
-        return _trace_deep(adapter, target, split, split.mutable, stop_at)
+        return _trace_deep(adapter, target, split, split.mutable, stop_at, key)
     except ModelTraceError as error:
         wider = adapter.wider_mutable(split, error.__cause__)
         if wider is None:
@@ -235,17 +239,23 @@ def _raise_limit() -> Any:
     return lambda: sys.setrecursionlimit(saved)
 
 
-def _trace_deep(adapter: Adapter, target: Any, split: Split, mutable: Any, stop_at: Any) -> Graph:
+def _trace_deep(
+    adapter: Adapter, target: Any, split: Split, mutable: Any, stop_at: Any, key: Any = None
+) -> Graph:
+    """`_trace_once`, again with a higher recursion limit where the model went too deep;
+    `key` is the split's `traced_key` (for the stop rule), if known."""
     try:
-        return _trace_once(adapter, target, split, mutable, stop_at)
+        return _trace_once(adapter, target, split, mutable, stop_at, key)
     except ModelTraceError as error:
         if not isinstance(error.__cause__, RecursionError):
             raise
     with SHARED.held({"recursion limit": _raise_limit}):
-        return _trace_once(adapter, target, split, mutable, stop_at)
+        return _trace_once(adapter, target, split, mutable, stop_at, key)
 
 
-def _trace_once(adapter: Adapter, target: Any, split: Split, mutable: Any, stop_at: Any) -> Graph:
+def _trace_once(
+    adapter: Adapter, target: Any, split: Split, mutable: Any, stop_at: Any, key: Any = None
+) -> Graph:
     var_flat, rebuild_variables = adapter.flatten_variables(split.variables)
     variables = _Leaves.of([x for _, x in var_flat])
     var_paths = [p for (p, _), m in zip(var_flat, variables.mask, strict=True) if m]
@@ -256,7 +266,7 @@ def _trace_once(adapter: Adapter, target: Any, split: Split, mutable: Any, stop_
     def program(var_a: list[Any], rng_a: list[Any], in_a: list[Any]) -> Any:
         call_args, call_kwargs = inputs.rebuild(in_a)
         # A retry with wider `mutable` must not stop before the state comes back.
-        rule = stop_rule(adapter, target, dataclasses.replace(split, mutable=mutable), stop_at)
+        rule = stop_rule(adapter, target, dataclasses.replace(split, mutable=mutable), stop_at, key)
         info["rule"] = rule
         try:
             with markers.marking(rule) as info["failed"]:
