@@ -3,13 +3,12 @@
 The jaxpr's invars are (variables, random keys, array inputs), in that order. The one
 evaluator (`jaxprs.Evaluator`) walks the jaxpr with this module's rules, on value ids
 instead of arrays: equations are copied into the flat graph with fresh value ids;
-call-like equations (jit, remat,
-custom_jvp/vjp) whose bodies hold boundaries are inlined and remembered as `Region`s.
-So are call-like equations with several results, so that a slice needing
-one result does not have to compute the others' inputs; they are run as the original
-equation again whenever a slice (or an interpreter) needs them whole. Loops and
-conditionals stay single equations: the module calls inside their bodies are
-listed with `loop` set.
+call-like equations (jit, remat, custom_jvp/vjp) whose bodies hold boundaries are
+inlined and remembered as `Region`s. So are call-like equations with several results,
+so that a slice needing one result does not have to compute the others' inputs; they
+are run as the original equation again whenever a slice (or an interpreter) needs them
+whole. Loops and conditionals stay single equations: the module calls inside their
+bodies are listed with `loop` set.
 
 Boundaries come from marker equations, met here in program order and grouped into calls
 by `calls.py` (a call's input markers, its body, then its output markers); `lifted.py`

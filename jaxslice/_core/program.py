@@ -205,7 +205,8 @@ class SliceProgram:
         if jitting and entry.static_outputs:
             raise NotJittable(entry)
         var_leaves = self.variable_leaves(entry, variables, strict)
-        out = self.run(entry, var_leaves, self.rng_leaves(entry, rngs), leaves, mutable)
+        rng_leaves = self.rng_leaves(entry, rngs)
+        out = self.run(entry, var_leaves, rng_leaves, leaves, mutable, inline=jitting)
         return _nest_state(*out) if mutable else out
 
     def apply_full(self, split: Any) -> tuple[Any, list[tuple[Any, Any]]]:
@@ -240,11 +241,15 @@ class SliceProgram:
         rng_leaves: list[Any],
         leaves: list[Any],
         mutable: Any,
+        inline: bool = False,
     ) -> Any:
-        """Runs a compiled entry; with `mutable`, returns ``(outputs, updated_state)``."""
+        """Runs a compiled entry; with `mutable`, returns ``(outputs, updated_state)``.
+        With `inline` (while `jax.jit` traces a call, `jitted`), the entry's equations go
+        straight into that trace instead of into a nested `jit` of their own, which XLA
+        would inline again."""
         check_mutable(entry.plan, mutable, self.adapter)
         try:
-            outs = entry.jitted(var_leaves, rng_leaves, leaves)
+            outs = (entry.fn if inline else entry.jitted)(var_leaves, rng_leaves, leaves)
         except RuntimeError:
             check_alive(var_leaves, leaves, entry.plan.variable_paths)
             raise
