@@ -2,14 +2,14 @@
 
 `Expander` gives `jaxprs.Evaluator` its rules for markers, scans and call-like
 equations: it runs a jaxpr's equations one by one in the current trace, following a
-`loop_requests.Body` (`Ctx.body`). A loop it names is run
-piece by piece (`Expander.loop`): the ranges of rows between named iterations as
-`lax.scan`s, each named iteration written out equation by equation under its own path,
-with the markers of its calls bound again as that iteration's calls (`Expander.record`
-makes one renamed `CallRecord` per call and path). Values that stacked names take are
-collected per piece (`loop_rows.Frame`) and marked once after the loop, each leaf as one
-value (`loop_rows.Run.whole`); calls named as whole iterations of the body's outermost
-call are marked on the loop's carry between pieces (`loop_requests.Edge`).
+`loop_requests.Body` (`Ctx.body`). A loop it names is run piece by piece
+(`Expander.loop`): the ranges of rows between named iterations as `lax.scan`s, each
+named iteration written out equation by equation under its own path, with the markers of
+its calls bound again as that iteration's calls (`Expander.record` makes one renamed
+`CallRecord` per call and path). Values that stacked names take are collected per piece
+(`loop_rows.Frame`) and marked once after the loop, each leaf as one value
+(`loop_rows.Run.whole`); calls named as whole iterations of the body's outermost call
+are marked on the loop's carry between pieces (`loop_requests.Edge`).
 
 Sharp edge: stacked values computed from parameters alone come from one more scan that
 reads parameters alone (`Expander._parameter_stack`); a loop with side effects, or a
