@@ -317,6 +317,72 @@ def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+# A jaxpr made of equations already traced, run without binding them again: renamed
+# copies of the equations (`JaxprEqn.replace`, JAX >= 0.4.30) in a new closed jaxpr,
+# bound as one `jit` equation marked for inlining. Where `jax.jit` traces it, the
+# equations join that trace as they are, with no abstract evaluation and no Python per
+# equation (`pjit`'s staging rule inlines it). Since JAX 0.12 a `Jaxpr` holds its
+# consts and `ClosedJaxpr(jaxpr, consts)` builds one; before, it builds a `ClosedJaxpr`.
+
+
+def new_var(aval: Any) -> Any:
+    return Var(aval)
+
+
+def renamed_eqn(eqn: Any, invars: Sequence[Any], outvars: Sequence[Any]) -> Any:
+    """The equation with other variables (same primitive, params and source info)."""
+    return eqn.replace(invars=list(invars), outvars=list(outvars))
+
+
+def new_closed_jaxpr(
+    constvars: Sequence[Any],
+    consts: Sequence[Any],
+    invars: Sequence[Any],
+    outvars: Sequence[Any],
+    eqns: Sequence[Any],
+) -> Any:
+    effects = _jax_core.join_effects(*(e.effects for e in eqns))
+    # JAX 0.5 deprecated jaxprs without a DebugInfo.
+    info = jex_core.DebugInfo("jit", "jaxslice", (None,) * len(invars), None)
+    jaxpr = Jaxpr(list(constvars), list(invars), list(outvars), list(eqns), effects, info)
+    return ClosedJaxpr(jaxpr, list(consts))
+
+
+_JIT = jex_core.primitives.jit_p  # named `pjit_p` before JAX 0.7
+_JIT_PARAMS: list[dict[str, Any]] = []  # the params of a traced `jit` of one operand
+
+
+def call_inlined(closed: Any, args: Sequence[Any]) -> list[Any]:
+    """Runs `closed` on `args` as one `jit` equation that the trace calling it inlines.
+
+    The params are those of a `jit` that `jax.jit` itself traced (the mesh, compiler
+    options, ...), with the per-operand and per-result ones sized to this call.
+    """
+    if not _JIT_PARAMS:
+        _JIT_PARAMS.append(dict(jax.make_jaxpr(jax.jit(lambda x: x))(0.0).eqns[0].params))
+    t = _JIT_PARAMS[0]
+    n, m = len(args), len(open_jaxpr(closed)[0].outvars)
+    params = {
+        **t,
+        "jaxpr": closed,
+        "inline": _inline_now(t["inline"]),
+        "name": "jaxslice",
+        "in_shardings": t["in_shardings"][:1] * n,
+        "in_layouts": (None,) * n,
+        "donated_invars": (False,) * n,
+        "out_shardings": t["out_shardings"][:1] * m,
+        "out_layouts": (None,) * m,
+    }
+    return list(_JIT.bind(*args, **params))
+
+
+def _inline_now(template: Any) -> Any:
+    """The `inline` param that inlines a `jit` while it is traced: True up to JAX 0.11,
+    `Inline.JAX_EARLY` since (where True means inlining when lowering)."""
+    members = getattr(type(template), "__members__", {})
+    return members.get("JAX_EARLY", True)
+
+
 def _eqn_ctx(eqn: Any) -> Any:
     ctx = getattr(eqn, "ctx", None)
     manager = getattr(ctx, "manager", None)

@@ -7,6 +7,9 @@ Marker equations are not in the graph's equation list, so they never appear in t
 result. Because evaluation happens at trace time, wrapping the function in `jax.jit`
 compiles exactly the chosen equations and nothing else.
 
+`emit_jaxpr` makes the same function from one ready-made jaxpr of those equations, for
+the calls `jax.jit` traces at the traced shapes: its equations are not bound again.
+
 `evaluate.py` runs a whole graph with hooks at every boundary and equation.
 """
 
@@ -50,6 +53,56 @@ def emit(
         return [env[v] for v in output_ids]
 
     return run
+
+
+def emit_jaxpr(
+    graph: Graph,
+    eqns: Sequence[Any],
+    arg_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[int],
+) -> Callable[..., list[Any]] | None:
+    """`emit`'s function made of one ready-made jaxpr of the same equations, renamed but
+    not bound again (`_compat.call_inlined`): where `jax.jit` traces it, the equations
+    join that trace as they are, with no abstract evaluation per equation. The jaxpr's
+    shapes are the traced ones, so it serves calls of the traced signature (not `export`,
+    whose batch size is symbolic). None where the arguments repeat a value (a jaxpr's
+    inputs are distinct) or a constant has no JAX type."""
+    flat = [v for ids in arg_ids for v in ids]
+    name = _Names(graph, given=set(flat))
+    read = {v for e in eqns for v in e.ins} | set(output_ids)
+    consts = {v: graph.consts[v] for v in sorted(read - name.given) if v in graph.consts}
+    if len(name.given) != len(flat) or None in map(graph.avals.__getitem__, consts):
+        return None
+    invars = list(map(name, flat))
+    constvars = list(map(name, consts))
+    renamed = [_compat.renamed_eqn(e.jax_eqn, map(name, e.ins), name.results(e)) for e in eqns]
+    outvars = list(map(name, output_ids))
+    closed = _compat.new_closed_jaxpr(constvars, list(consts.values()), invars, outvars, renamed)
+
+    def run(*groups: Sequence[Any]) -> list[Any]:
+        return _compat.call_inlined(closed, [x for values in groups for x in values])
+
+    return run
+
+
+class _Names:
+    """A new jaxpr variable for each value of a graph, made when first asked for."""
+
+    def __init__(self, graph: Graph, given: set[int]):
+        self.avals = graph.avals
+        self.given = given  # the values the function is given
+        self.made: dict[int, Any] = {}
+
+    def __call__(self, v: int) -> Any:
+        found = self.made.get(v)
+        if found is None:
+            found = self.made[v] = _compat.new_var(self.avals[v])
+        return found
+
+    def results(self, eqn: Any) -> list[Any]:
+        """An equation's results; one the function is given stays the given value (a
+        variable nothing reads takes its place, as in `_kept_results`)."""
+        return [_compat.new_var(self.avals[v]) if v in self.given else self(v) for v in eqn.outs]
 
 
 def _kept_results(eqns: Sequence[Any], given: set[int]) -> list[list[bool] | None]:

@@ -94,6 +94,16 @@ class Entry:
         return tuple(jax.ShapeDtypeStruct(g.avals[i].shape, g.avals[i].dtype) for i in ids)
 
     @functools.cached_property
+    def inlined(self) -> Any:
+        """`fn` as one ready-made jaxpr (`emit.emit_jaxpr`), for the calls `jax.jit`
+        traces; `fn` where there is none."""
+        p = self.plan
+        ids = [p.variable_ids, p.rng_ids, p.input_ids]
+        graph = self.traced.graph
+        made = emit_.emit_jaxpr(graph, p.to_run, ids, p.output_ids + p.state_ids)
+        return self.fn if made is None else made
+
+    @functools.cached_property
     def static_outputs(self) -> bool:
         """Whether some output leaves are constants of the trace, not arrays (`jax.jit`
         would turn them into arrays)."""
@@ -245,11 +255,11 @@ class SliceProgram:
     ) -> Any:
         """Runs a compiled entry; with `mutable`, returns ``(outputs, updated_state)``.
         With `inline` (while `jax.jit` traces a call, `jitted`), the entry's equations go
-        straight into that trace instead of into a nested `jit` of their own, which XLA
-        would inline again."""
+        straight into that trace as they are (`Entry.inlined`), not bound again into a
+        nested `jit` of their own, which XLA would inline again."""
         check_mutable(entry.plan, mutable, self.adapter)
         try:
-            outs = (entry.fn if inline else entry.jitted)(var_leaves, rng_leaves, leaves)
+            outs = (entry.inlined if inline else entry.jitted)(var_leaves, rng_leaves, leaves)
         except RuntimeError:
             check_alive(var_leaves, leaves, entry.plan.variable_paths)
             raise

@@ -21,7 +21,7 @@ import pytest
 
 import jaxslice as js
 
-from helpers.oracles import assert_trees_all_close, count_compiles, random_input
+from helpers.oracles import assert_trees_all_close, captured, count_compiles, random_input
 
 TRACES = collections.Counter()
 
@@ -283,3 +283,48 @@ def test_a_call_with_a_python_number_leaves_array_calls_jitted():
         sub(x)
     assert min(_python_calls(lambda: sub(x)) for _ in range(3)) == warm
     assert_trees_all_close(sub(x), f(params, x, 2))
+
+
+# --------------------------------------------------------------------------- the first call
+
+
+class _Residual(nn.Module):
+    """Conv + BatchNorm blocks with a skip, a scalar literal and a closed-over constant."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Conv(6, (3, 3), name="stem")(x)
+        h = nn.BatchNorm(use_running_average=not train, name="norm")(h)
+        skip = h
+        h = nn.relu(nn.Conv(6, (3, 3), name="body")(h)) * 0.5 + jnp.arange(6.0)
+        return nn.Dense(3, name="head")((h + skip).mean((1, 2)))
+
+
+def test_the_first_call_runs_the_planned_equations_without_binding_them_again(monkeypatch):
+    """`jax.jit` traces a slice's first call; its equations join that trace from one
+    ready-made jaxpr instead of being bound one by one again. Every call kind that goes
+    through `jax.jit` (plain, a mode, mutable state, a start and an end) gives the model's
+    own values (Flax's recorded intermediates)."""
+    from jaxslice import _compat  # the door every re-bound equation goes through
+
+    bound = collections.Counter()
+    rebind = _compat.bind_eqn
+
+    def counting(eqn: Any, invals: Any) -> list[Any]:
+        bound[eqn.primitive.name] += 1
+        return rebind(eqn, invals)
+
+    model, x = _Residual(), random_input(3, (2, 6, 6, 1))
+    variables = model.init(jax.random.key(0), x)
+    want = captured(model, variables, x)
+    body = js.slice(model, variables, x, start="body", end="body")
+    tail = js.slice(model, variables, x, start=["body:output", "norm:output"], end="head")
+    full = js.slice(model, variables, x, mutable=["batch_stats"])
+    monkeypatch.setattr(_compat, "bind_eqn", counting)
+    skip = want["norm"][0]
+    assert_trees_all_close(body(skip), want["body"][0])
+    assert_trees_all_close(tail(want["body"][0], skip), want["head"][0])
+    out, state = full(x, train=True, mutable=["batch_stats"])
+    want_out, want_state = model.apply(variables, x, train=True, mutable=["batch_stats"])
+    assert_trees_all_close((out, state), (want_out, want_state))
+    assert not bound, f"equations bound again at the first calls: {dict(bound)}"
