@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -349,7 +350,12 @@ def new_closed_jaxpr(
 
 
 _JIT = jex_core.primitives.jit_p  # named `pjit_p` before JAX 0.7
-_JIT_PARAMS: list[dict[str, Any]] = []  # the params of a traced `jit` of one operand
+
+
+@functools.cache
+def _jit_params() -> dict[str, Any]:
+    """The params of a `jit` of one operand, as `jax.jit` traces it."""
+    return dict(jax.make_jaxpr(jax.jit(lambda x: x))(0.0).eqns[0].params)
 
 
 def call_inlined(closed: Any, args: Sequence[Any]) -> list[Any]:
@@ -358,9 +364,7 @@ def call_inlined(closed: Any, args: Sequence[Any]) -> list[Any]:
     The params are those of a `jit` that `jax.jit` itself traced (the mesh, compiler
     options, ...), with the per-operand and per-result ones sized to this call.
     """
-    if not _JIT_PARAMS:
-        _JIT_PARAMS.append(dict(jax.make_jaxpr(jax.jit(lambda x: x))(0.0).eqns[0].params))
-    t = _JIT_PARAMS[0]
+    t = _jit_params()
     n, m = len(args), len(open_jaxpr(closed)[0].outvars)
     params = {
         **t,

@@ -33,8 +33,7 @@ def emit(
 ) -> Callable[..., list[Any]]:
     """A function ``f(*groups) -> outputs``; ``groups[k]`` holds values for ``arg_ids[k]``."""
     eqns = list(eqns)
-    needed = {v for e in eqns for v in e.ins} | set(output_ids)
-    consts = {v: graph.consts[v] for v in needed & graph.consts.keys()}
+    consts = _consts(graph, eqns, output_ids, set())
     arg_ids = [tuple(ids) for ids in arg_ids]
     output_ids = tuple(output_ids)
 
@@ -69,8 +68,7 @@ def emit_jaxpr(
     inputs are distinct) or a constant has no JAX type."""
     flat = [v for ids in arg_ids for v in ids]
     name = _Names(graph, given=set(flat))
-    read = {v for e in eqns for v in e.ins} | set(output_ids)
-    consts = {v: graph.consts[v] for v in sorted(read - name.given) if v in graph.consts}
+    consts = _consts(graph, eqns, output_ids, name.given)
     if len(name.given) != len(flat) or None in map(graph.avals.__getitem__, consts):
         return None
     invars = list(map(name, flat))
@@ -103,6 +101,15 @@ class _Names:
         """An equation's results; one the function is given stays the given value (a
         variable nothing reads takes its place, as in `_kept_results`)."""
         return [_compat.new_var(self.avals[v]) if v in self.given else self(v) for v in eqn.outs]
+
+
+def _consts(
+    graph: Graph, eqns: Sequence[Any], output_ids: Sequence[int], given: set[int]
+) -> dict[int, Any]:
+    """The graph's constants that the equations read or the outputs are (by id, in id
+    order), except those the function is given."""
+    read = {v for e in eqns for v in e.ins} | set(output_ids)
+    return {v: graph.consts[v] for v in sorted(read - given) if v in graph.consts}
 
 
 def _kept_results(eqns: Sequence[Any], given: set[int]) -> list[list[bool] | None]:

@@ -97,10 +97,7 @@ class Entry:
     def inlined(self) -> Any:
         """`fn` as one ready-made jaxpr (`emit.emit_jaxpr`), for the calls `jax.jit`
         traces; `fn` where there is none."""
-        p = self.plan
-        ids = [p.variable_ids, p.rng_ids, p.input_ids]
-        graph = self.traced.graph
-        made = emit_.emit_jaxpr(graph, p.to_run, ids, p.output_ids + p.state_ids)
+        made = emit_.emit_jaxpr(self.traced.graph, self.plan.to_run, *_emitted(self.plan))
         return self.fn if made is None else made
 
     @functools.cached_property
@@ -118,9 +115,14 @@ def make_entry(traced: Traced, start: Any, end: Any) -> Entry:
     adapter = traced.adapter
     rules = StateRules(adapter.state_owner, adapter.state_includes_variables)
     p = plan(traced.graph, start, end, traced.split.mutable, rules)
-    ids = [p.variable_ids, p.rng_ids, p.input_ids]
-    fn = emit_.emit(traced.graph, p.to_run, ids, p.output_ids + p.state_ids)
+    fn = emit_.emit(traced.graph, p.to_run, *_emitted(p))
     return Entry(traced, p, fn, jax.jit(fn))
+
+
+def _emitted(p: Plan) -> tuple[list[Any], Any]:
+    """What an entry's function takes, ``(variables, random keys, inputs)``, and returns,
+    the outputs and then the updated state."""
+    return [p.variable_ids, p.rng_ids, p.input_ids], p.output_ids + p.state_ids
 
 
 class SliceProgram:
