@@ -148,6 +148,6 @@ def test_each_kind_of_equation_reaches_its_rule_and_a_call_side_comes_whole():
     assert [s for s in recorder.seen if s[0] == "side"] == [("side", 2), ("side", 1)]
     assert kinds.index("side") < kinds.index("call")
     assert ("scan", "scan") in recorder.seen
-    assert ("call", "jit") in recorder.seen or ("call", "pjit") in recorder.seen
+    assert ("call", "jit") in recorder.seen
     assert ("other", "while") in recorder.seen and ("other", "cond") in recorder.seen
     assert ("other", "sin") in recorder.seen  # the jit's body, run inline by the call rule
