@@ -29,6 +29,7 @@ from ._sliced import Sliced as Sliced
 from ._table import Boundary as Boundary
 from ._table import BoundaryTable as BoundaryTable
 from ._version import __version__ as __version__
+from ._warnings import SingleArgumentWarning as SingleArgumentWarning
 from .adapters._plain import mark as mark
 from .observe import ActivationStats as ActivationStats
 
@@ -70,6 +71,7 @@ __all__ = [
     "InvalidSpecError",
     "MissingInputError",
     "ModelTraceError",
+    "SingleArgumentWarning",
     "SliceError",
     "Sliceable",
     "Sliced",

@@ -310,12 +310,41 @@ def source_line(eqn: Any) -> str | None:
 
 
 def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    """Applies an equation's primitive to new operands, as `jax.core.eval_jaxpr` does."""
+    """Applies an equation's primitive to new operands, as `jax.core.eval_jaxpr` does
+    (a TypeError if operands of one holding jaxprs differ from those it was traced for)."""
+    if _holds_jaxprs(eqn.primitive, eqn.params):
+        _check_operands(eqn, invals)
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
     with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), _eqn_ctx(eqn):
         out = eqn.primitive.bind(*invals, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# JAX checks the operands of a first-order primitive when it is bound, not those of one
+# holding jaxprs (jit, custom_jvp, scan, ...): a `jit` traced for (5, 8) and bound to (5, 3)
+# fails only when lowered. An edit or a hook that changes a shape is caught here.
+_HOLDS_JAXPRS: dict[Any, bool] = {}
+
+
+def _holds_jaxprs(primitive: Any, params: dict[str, Any]) -> bool:
+    found = _HOLDS_JAXPRS.get(primitive)
+    if found is None:
+        found = _HOLDS_JAXPRS[primitive] = any(True for _ in jex_core.jaxprs_in_params(params))
+    return found
+
+
+def _check_operands(eqn: Any, invals: Sequence[Any]) -> None:
+    for i, (var, value) in enumerate(zip(eqn.invars, invals, strict=True)):
+        want = var.aval
+        if not hasattr(want, "shape"):  # tokens
+            continue
+        got = jax.typeof(value)
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise TypeError(
+                f"{primitive_name(eqn)} (from {source_line(eqn) or 'the model'}) was traced "
+                f"for operand {i} of type {want.str_short()} and receives {got.str_short()}"
+            )
 
 
 # A jaxpr made of equations already traced, run without binding them again: renamed
@@ -400,6 +429,11 @@ def current_trace() -> Any:
     """
     ctx = getattr(_jax_core, "trace_ctx", None)
     return getattr(ctx, "trace", None) if ctx is not None else None
+
+
+def tracing() -> bool:
+    """Whether code runs under a JAX transformation (not eagerly)."""
+    return not isinstance(current_trace(), _jax_core.EvalTrace)
 
 
 # --------------------------------------------------------------------------- Flax params

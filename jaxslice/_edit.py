@@ -37,8 +37,12 @@ variables) is what iteration k sees.
 Sharp edges: `insert_after` acts on a module's output, or on its input with the
 ``:input`` port; `replace` and `remove` act on whole calls. The mode (keywords such as
 ``train=False``, and `rngs`) is the one the editor was made with. A node inserted at one
-iteration runs in a branch of the loop body, so it is no boundary of the edited model
-(nodes at ``[:]`` are). An Equinox edited model is traced for the structure it was edited with.
+iteration runs in a branch of the loop body, so it is no boundary of the edited model;
+a node at ``[:]`` is, listed at the top of the loop body it runs in (``layers[:]/name``
+for one at ``layers[:]/mlp``, `Site.node_template`). Node names hold none of the
+characters boundary names use (`NOT_IN_NAMES`). Arguments without arrays (a positional
+``train`` flag) stay fixed while the editor probes shapes, as a trace fixes them. An
+Equinox edited model is traced for the structure it was edited with.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import jax
 
 from . import _compat
 from ._core.markers import INPUT, OUTPUT
-from ._core.names import Resolver, parse
+from ._core.names import Resolver, parse, shown
 from ._core.program import SliceProgram
 from ._core.trace import Traced, trace
 from ._edit_nodes import (
@@ -64,7 +68,8 @@ from ._edit_nodes import (
     same_shapes,
     site_of,
 )
-from ._edited import Built, Edited, EditedAdapter, EditedModel, EditPlan
+from ._edited import Built, EditedAdapter, EditedModel, EditPlan
+from ._edited_sliced import Edited
 from ._errors import (
     CallInputNameTakenError,
     EditBreaksModelError,
@@ -78,11 +83,13 @@ from ._errors import (
 )
 from ._slice import view
 from ._table import BoundaryTable, describe
-from ._trees import joined_key
+from ._trees import is_traced_leaf, joined_key
 from ._view import DrawsInline
 
 # Keywords the edited model's `apply` takes itself: no call-time input may be named so.
 RESERVED = frozenset({"rngs", "mutable", "variables"})
+# What boundary names use to separate path parts, iterations, call indices and ports.
+NOT_IN_NAMES = frozenset("/[]@:\\")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +193,8 @@ class Editor(DrawsInline):
           The editor, so edits chain.
         """
         site = self._site(at)
-        name = self._fresh_name(fn_or_module) if name is None else name
-        self._check_new_name(name)
+        name = self._fresh_name(fn_or_module, site) if name is None else name
+        self._check_new_name(name, site)
         value = self._value_at(site, site.port)
         node = self._new_node(fn_or_module, key, name, (value,), site, inputs, value)
         edit = Edit("insert", site, node)
@@ -215,7 +222,7 @@ class Editor(DrawsInline):
         if inserted:
             name = site.name
         elif site.in_loop:  # its variables are rows of the loop's: kept
-            name = self._fresh_name(fn_or_module)
+            name = self._fresh_name(fn_or_module, site)
         else:
             name = self._base.resolver.resolve(site.name, OUTPUT)[0].name
         out = self._value_at(site, OUTPUT)  # what call-time inputs are shaped like
@@ -260,11 +267,14 @@ class Editor(DrawsInline):
         """The whole edited model, as the same kind of object a slice of the model is.
 
         For linen models and plain functions an `Edited` (a `js.Sliced`, trainable and
-        jit-compiled, with `export`); for NNX models an `nnx.Module` holding the model and
-        the new nodes (sharing their variables).
+        jit-compiled, with `export`, and ``merge(variables, trained)`` and
+        ``nodes(trained)`` to write trained variables back to the model and keep the new
+        modules' apart); for NNX models an `nnx.Module` holding the model and the new
+        nodes (sharing their variables); for Keras models a `keras.Model` sharing the
+        model's and the inserted layers' variables.
         """
         program = SliceProgram(self._trace(), None, None)
-        edited = Edited(program, self._tables.call_inputs())
+        edited = Edited(program, self._plan())
         nodes = {n.name: n.module for n in self._tables.nodes() if n.variables is not None}
         built = Built(edited, program, nodes)
         view = self._base.program.adapter.edited_view(self._target, built)
@@ -392,19 +402,30 @@ class Editor(DrawsInline):
         node = new_node(adapter, fn_or_module, key, name, site, (*args, *rows))
         return dataclasses.replace(node, inputs=names, samples=samples, site=site)
 
-    def _fresh_name(self, fn_or_module: Any) -> str:
+    def _fresh_name(self, fn_or_module: Any, site: Site) -> str:
+        own = self._base.program.adapter.node_name(fn_or_module)  # a Keras layer's name
+        if own and not any(c in NOT_IN_NAMES for c in own) and not self._is_taken(own, site):
+            return own
         base = getattr(fn_or_module, "__name__", None) or type(fn_or_module).__name__
         base = "fn" if base == "<lambda>" else base
+        base = "".join(c for c in base if c not in NOT_IN_NAMES) or "node"
         i = 0
-        while f"{base}_{i}" in self._base.taken or f"{base}_{i}" in self._tables.inserted:
+        while self._is_taken(f"{base}_{i}", site):
             i += 1
         return f"{base}_{i}"
 
-    def _check_new_name(self, name: str) -> None:
-        if not isinstance(name, str) or not name or "@" in name or ":" in name:
+    def _check_new_name(self, name: str, site: Site) -> None:
+        if not isinstance(name, str) or not name or any(c in NOT_IN_NAMES for c in name):
             raise NodeNameError(name=name)
-        if name in self._base.taken or name in self._tables.inserted:
+        if self._is_taken(name, site):
             raise NodeNameTakenError(name=name)
+
+    def _is_taken(self, name: str, site: Site) -> bool:
+        """Whether a node named `name` at `site` would share a name with a boundary, a
+        variable or another node, as named or as listed (``layers[:]/name`` in a loop)."""
+        taken = self._base.taken
+        listed = shown(site.node_template(name))
+        return name in taken or listed in taken or name in self._tables.inserted
 
     def _shapes(self) -> dict[tuple[str, str], Any]:
         """Shapes at every boundary of the edited model as it stands (probed once)."""
@@ -425,11 +446,18 @@ class Editor(DrawsInline):
         samples = {n: sample for n, (_, sample) in self._tables.call_inputs().items()}
         model = EditedModel(self._plan(), record)
         collections = self._collections()  # random keys and `mutable`: not abstract values
+        # Only the arrays are abstract: the model's other arguments (a positional
+        # ``train`` flag) stay the values the trace fixed, as `js.slice` keeps them.
+        flat, tree = jax.tree_util.tree_flatten((split.args, {**split.kwargs, **samples}))
+        arrays = [x for x in flat if is_traced_leaf(x)]
 
-        def probe(variables: Any, *args: Any, **kwargs: Any) -> Any:
+        def probe(variables: Any, arrays: list[Any]) -> Any:
+            given = iter(arrays)
+            leaves = [next(given) if is_traced_leaf(x) else x for x in flat]
+            args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
             return model(variables, *args, **collections, **kwargs)
 
-        jax.eval_shape(probe, self.variables, *split.args, **split.kwargs, **samples)
+        jax.eval_shape(probe, self.variables, arrays)
         return seen
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from ._core.markers import OUTPUT
-from ._core.names import STACKED, Resolver, fill, parse
+from ._core.names import STACKED, Resolver, fill, node_place, parse, shown, split_name, unslotted
 from ._errors import (
     CallInputLikeError,
     CallInputNamesError,
@@ -67,6 +67,22 @@ class Node:
         return self.site.when if self.site is not None else ()
 
     @property
+    def template(self) -> str:
+        """Its name in the edited model, with the loops' iteration slots (see
+        `Site.node_template`)."""
+        return self.name if self.site is None else self.site.node_template(self.name)
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        """The module path it is marked under in the edited model."""
+        return split_name(unslotted(self.template))
+
+    @property
+    def listed(self) -> str:
+        """Its name as the edited model's boundaries list it (``layers[:]/node``)."""
+        return shown(self.template)
+
+    @property
     def module_type(self) -> str:
         if self.module is not None:
             return type(self.module).__name__
@@ -81,7 +97,9 @@ class Site:
     ``layers[:]/mlp``) and `key` the same name with ``[:]`` in every slot (how its
     edits are found while the loop body runs once for all iterations); `lengths` and
     `depths` are the lengths and depths of the loops it names with ``[:]``, `when`
-    ``(depth, k)`` for each loop it names one iteration k of.
+    ``(depth, k)`` for each loop it names one iteration k of. A node put there is listed
+    under `parent` (a template name, '' for the top level) with the iteration slot
+    `slot` of its own ('' for none), as `names.node_place` says.
     """
 
     name: str
@@ -90,10 +108,19 @@ class Site:
     lengths: tuple[int, ...] = ()
     depths: tuple[int, ...] = ()
     when: tuple[tuple[int, int], ...] = ()
+    parent: str = ""
+    slot: str = ""
 
     @property
     def in_loop(self) -> bool:
         return bool(self.lengths or self.when)
+
+    def node_template(self, name: str) -> str:
+        """The name of a node `name` put here, in the edited model, with the loops'
+        iteration slots: at the top of the loop body it runs in (``layers[:]/name``
+        for a node at ``layers[:]/mlp``), or of the model outside loops."""
+        own = name + self.slot  # (a node's name holds no character a name escapes)
+        return f"{self.parent}/{own}" if self.parent else own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +183,11 @@ class Tables:
         changes[:] = [c for c in changes if c[0] != site.when]
         changes.append((site.when, node))
 
+    def node_named(self, name: str) -> Node | None:
+        """The inserted node of that name, or listed under that name (``layers[:]/n``)."""
+        found = self.inserted.get(name)
+        return found or next((n for n in self.inserted.values() if n.listed == name), None)
+
     def nodes(self) -> list[Node]:
         replacing = [n for changes in self.changed.values() for _, n in changes if n]
         return list(self.inserted.values()) + replacing
@@ -174,9 +206,10 @@ def site_of(spec: Any, resolver: Resolver, tables: Tables) -> Site:
     them) or an inserted node, and the port (the output unless ``:input``)."""
     if isinstance(spec, str):
         base, _, port = parse(spec)
-        if base in tables.inserted:
-            node = tables.inserted[base]
-            return dataclasses.replace(node.site, name=base, port=port or OUTPUT, key=base)
+        node = tables.node_named(base)
+        if node is not None:
+            name = node.name
+            return dataclasses.replace(node.site, name=name, port=port or OUTPUT, key=name)
     ref = resolver.loop_ref(spec, OUTPUT)
     if ref is None:
         call, port = resolver.resolve(spec, OUTPUT)
@@ -188,7 +221,8 @@ def site_of(spec: Any, resolver: Resolver, tables: Tables) -> Site:
     lengths = tuple(sites[d].length for d in depths)
     when = tuple((depth, k) for depth, k in enumerate(ref.path) if k != STACKED)
     name = fill(call.template, ref.path) + suffix
-    return Site(name, ref.side, stacked, lengths, depths, when)
+    parent, slot = node_place(call.template)
+    return Site(name, ref.side, stacked, lengths, depths, when, parent, slot)
 
 
 def is_linen(obj: Any) -> bool:

@@ -5,9 +5,11 @@ where the variables live), so an edited model never changes after it is built. T
 model is a plain function ``fn(variables, *inputs, **call_inputs)`` (`EditedModel`) that
 evaluates the model's program through `_core.evaluate` with hooks (`EditHooks`) that
 apply the edits at each boundary and mark every call again under its name, so that it
-can be traced and sliced like any plain function. `Edited` is what `build` returns for
-linen models and plain functions: a `js.Sliced` of it, whose `export` takes the
-call-time inputs.
+can be traced and sliced like any plain function. `Edited` (`_edited_sliced.py`) is
+what `build` returns for linen models and plain functions: a `js.Sliced` of it. The
+edited model marks the model's calls again under the names the model lists (a method's
+``ae.encode``, a mark's scope path), and each inserted node under its own (at the top
+of the loop body it runs in: ``layers[:]/node``).
 
 Variables, by where a kind keeps a new module's variables:
 
@@ -29,13 +31,14 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
-from ._core import exporting
 from ._core.checks import check_mutable
 from ._core.evaluate import BoundaryEvent, Hooks
 from ._core.evaluate import evaluate as evaluate_graph
 from ._core.jaxprs import row
 from ._core.markers import INPUT, OUTPUT, Origin, is_marking, mark_side, new_record
+from ._core.names import split_name, unslotted
 from ._core.program import SliceProgram
+from ._core.variables import merge as merge_variables
 from ._edit_nodes import Node, Tables, describe_shapes, same_shapes
 from ._errors import (
     CallInputDtypeError,
@@ -44,7 +47,6 @@ from ._errors import (
     NoPlaceForVariablesError,
     UnknownCallKeywordsError,
 )
-from ._sliced import Sliced
 from ._trees import is_traced_leaf, joined_key, nest, prune
 from .adapters._base import Adapter, Split
 from .adapters._plain import PlainAdapter
@@ -102,6 +104,24 @@ class EditPlan:
         for node in nodes:
             self.program.adapter.with_node(out, node.name, node.variables)
         return out
+
+    def model_entries(self, trained: Any) -> Any:
+        """The model's own entries of `trained` (the edited model's variables, or a part
+        of them): those of no new module, in the same nesting (None for none)."""
+        flat = jax.tree_util.tree_flatten_with_path(trained)[0]
+        return prune(trained, {p for p, _ in flat if self.owner(p) is None})
+
+    def node_entries(self, trained: Any) -> dict[str, Any]:
+        """Each new module's variables by node name, in its own layout (linen: what its
+        `init` returns), with `trained`'s values where it has them, the edited model's
+        elsewhere."""
+        full = merge_variables(self.edited_variables(), trained)
+        adapter = self.program.adapter
+        return {
+            n.name: adapter.node_variables(full, n.name, n.variables)
+            for n in self.tables.nodes()
+            if n.variables is not None
+        }
 
     def model_values(self, variables: Any) -> dict[Any, Any]:
         """The model's variable values by path, from the edited model's `variables`.
@@ -182,59 +202,6 @@ class Built:
     sliced: Any
     program: SliceProgram
     nodes: dict[str, Any]
-
-
-class Edited(Sliced):
-    """An edited linen model or plain function: a `js.Sliced` of the edited model whose
-    keyword arguments also take the call-time inputs (``edited(x, delta=v)``)."""
-
-    def __init__(self, program: SliceProgram, call_inputs: dict[str, tuple[Any, Any]]):
-        super().__init__(program)
-        self._call_inputs = call_inputs
-
-    def export(
-        self,
-        *,
-        batch: str | None = "b",
-        variables_as_input: bool = False,
-        platforms: Any = None,
-        variables: Any = None,
-        pick: Callable[[Any], Any] | None = None,
-    ) -> Any:
-        """The edited model as a `jax.export.Exported` (see `js.Sliced.export`).
-
-        Call-time inputs are keyword arguments of the exported function, at their
-        examples' shapes; with `batch`, their first axis after the loops' leading axes
-        is the symbolic batch size where the example had the model's batch size there.
-        `variables` replaces `self.variables`; `pick` selects from the result.
-        """
-        program = self._slice_program()
-
-        def call_inputs(dim: Any) -> dict[str, Any]:
-            leaves = jax.tree_util.tree_leaves(program.input_specs(None)[0])
-            size = leaves[0].shape[0] if leaves and leaves[0].shape else None
-            specs = {}
-            for name, (node, sample) in self._call_inputs.items():
-                shape, lead = list(sample.shape), len(node.stacked)
-                if dim is not None and len(shape) > lead and shape[lead] == size:
-                    shape[lead] = dim
-                specs[name] = jax.ShapeDtypeStruct(tuple(shape), sample.dtype)
-            return specs
-
-        pick = pick or (lambda out: out)
-
-        def run(v: Any, /, *inputs: Any, **kw: Any) -> Any:  # call-time inputs may be `v`
-            return pick(self.apply(v, *inputs, **kw))
-
-        return exporting.export(
-            program.base,
-            run,
-            self.variables if variables is None else variables,
-            batch=batch,
-            variables_as_input=variables_as_input,
-            platforms=platforms,
-            more_inputs=call_inputs,
-        )
 
 
 class EditedModel:
@@ -365,7 +332,7 @@ class EditHooks(Hooks):
             remark = is_marking() and not node.when
             record = new_record(
                 origin=Origin.NODE,
-                path=tuple(node.name.split("/")),
+                path=node.path,
                 method="__call__",
                 module_type=node.module_type,
             )
@@ -393,10 +360,13 @@ class EditHooks(Hooks):
             return
         call = event.call
         if event.side == INPUT:
+            # Under the name the model lists: with its method (``ae.encode``), and for a
+            # `js.mark`, its scope path (``grp/lin``), iteration slots left out.
+            marked = call.origin is Origin.MARK
             self.records[id(call)] = new_record(
                 origin=Origin.NODE,
-                path=call.path,
-                method="__call__",
+                path=split_name(unslotted(call.template or call.name)) if marked else call.path,
+                method=call.method or "__call__",  # (a scope region has none)
                 module_type=call.module_type,
             )
             args = value if isinstance(value, tuple) else (value,)

@@ -7,7 +7,14 @@ object (or a class attribute) is served the program traced before the change. A 
 would. `model_key` therefore describes the model by value:
 
 - numbers, strings and flags by type and value (``1``, ``1.0`` and ``True`` differ);
-- arrays (and NNX variables) by shape, dtype and weak type, never by contents;
+- the arrays the trace takes as inputs (the variables of a model that holds them: NNX
+  variables, an Equinox module's array leaves) by shape, dtype and weak type, never by
+  contents; every other array the model holds (a linen module's mask or scale field, an
+  array a function closes over, a NumPy attribute, a static field) is a constant of the
+  trace, so it is keyed by its contents too: a digest of its bytes (SHA-1, about 65 ms
+  for 100 MB on one CPU core; once per JAX array, which cannot change, and on every key
+  of a NumPy array, which can change in place and is also keyed by identity, since a
+  traced program may hold the array itself);
 - containers, dataclasses (linen modules, Equinox modules, configs) and plain objects by
   their fields, recursively, whatever their ``__hash__`` says (a linen module hashes a
   config object by identity);
@@ -17,8 +24,9 @@ would. `model_key` therefore describes the model by value:
   (`classes_key`), since a module built inside ``@nn.compact`` is no field of anything.
 
 Anything else (an object without fields that hashes by identity, a graph too large to
-walk) makes the model uncacheable: `model_key` returns None and the model is traced
-every time. Globals a model reads are not looked at, as `jax.jit` does not.
+walk, a constant array whose bytes cannot be read here: a tracer, an array spread over
+several processes) makes the model uncacheable: `model_key` returns None and the model
+is traced every time. Globals a model reads are not looked at, as `jax.jit` does not.
 """
 
 from __future__ import annotations
@@ -26,10 +34,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import hashlib
 import sys
 import types
-from collections.abc import Hashable, Iterator
+import weakref
+from collections.abc import Container, Hashable, Iterable, Iterator
 from typing import Any
+
+import jax
+import numpy as np
 
 from ._trees import is_traced_leaf
 
@@ -44,29 +57,47 @@ _MODULE_BASES = (
     ("equinox", "Module"),
     ("haiku", "Module"),
 )
-_LIBRARIES = ("flax", "equinox", "haiku", "keras", "jax", "optax", "penzai")
+_LIBRARIES = ("flax", "equinox", "haiku", "keras", "jax", "optax", "penzai", "jaxslice")
 
 
 class Unkeyable(Exception):
     """Raised inside `value_key` for a value that cannot be described by value."""
 
 
-def model_key(target: Any) -> Hashable | None:
-    """A key that changes whenever what `target` computes can change, or None."""
+def model_key(target: Any, inputs: Container[int] = frozenset()) -> Hashable | None:
+    """A key that changes whenever what `target` computes can change, or None.
+
+    `inputs` holds the ids of the arrays the trace takes as inputs (the leaves of the
+    split's variables); every other array `target` holds is keyed by its contents.
+    """
     try:
-        return value_key(target), classes_key()
+        return _Walk(inputs).key(target), classes_key()
     except (Unkeyable, RecursionError):
         return None
 
 
+def input_ids(leaves: Iterable[Any]) -> set[int]:
+    """The ids `model_key` takes as inputs: those of the variables' `leaves`, and of the
+    data under each random key among them (an NNX key variable shows its key's data as
+    an attribute of its own)."""
+    found = set()
+    for x in leaves:
+        found.add(id(x))
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+            found.add(id(jax.random.key_data(x)))
+    return found
+
+
 def value_key(value: Any) -> Hashable:
-    """`value` described by value (see the module docstring); raises `Unkeyable`."""
+    """`value` described by value (see the module docstring), every array in it by its
+    contents; raises `Unkeyable`."""
     return _Walk().key(value)
 
 
 class _Walk:
-    def __init__(self) -> None:
+    def __init__(self, inputs: Container[int] = frozenset()) -> None:
         self.budget = _BUDGET
+        self.inputs = inputs
         self.open: dict[int, int] = {}  # objects being walked -> their order (cycles)
 
     def key(self, x: Any) -> Hashable:
@@ -76,7 +107,9 @@ class _Walk:
         if x is None or isinstance(x, (bool, int, float, complex, str, bytes, enum.Enum)):
             return type(x), x
         if is_traced_leaf(x):
-            return _array_key(x)
+            if id(x) in self.inputs or isinstance(x, jax.ShapeDtypeStruct):
+                return _array_key(x)
+            return _array_key(x), _contents_key(x)
         if isinstance(x, (type, types.ModuleType, types.BuiltinFunctionType)):
             return x
         if id(x) in self.open:
@@ -111,6 +144,45 @@ _PARTS: tuple[tuple[Any, Any], ...] = (
 
 def _array_key(x: Any) -> Hashable:
     return tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False))
+
+
+def _contents_key(x: Any) -> Hashable:
+    """A constant array's contents: the digest of its bytes, and for a NumPy array, which
+    may change in place after a trace that holds it, its identity too."""
+    if isinstance(x, np.ndarray):
+        return id(x), _digest(x)
+    if isinstance(x, np.generic):
+        return _digest(x)
+    return _array_digest(x)
+
+
+# Digests of JAX arrays (which never change) by id, each dropped when its array is.
+_DIGESTS: dict[int, tuple[Any, bytes]] = {}
+
+
+def _array_digest(x: Any) -> bytes:
+    known = _DIGESTS.get(id(x))
+    if known is not None and known[0]() is x:
+        return known[1]
+    digest = _digest(x)
+    key = id(x)
+    try:
+        _DIGESTS[key] = (weakref.ref(x, lambda _: _DIGESTS.pop(key, None)), digest)
+    except TypeError:  # an array type without weak references: digested at every key
+        pass
+    return digest
+
+
+def _digest(x: Any) -> bytes:
+    """SHA-1 of an array's bytes (a random key's by its key data); `Unkeyable` for an array
+    whose bytes cannot be read (a tracer, a deleted array, one spread over processes)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+        x = jax.random.key_data(x)
+    try:
+        data = np.ascontiguousarray(x)
+    except (TypeError, RuntimeError) as error:  # JAX's conversion errors are TypeErrors
+        raise Unkeyable(type(x).__name__) from error
+    return hashlib.sha1(data.reshape(-1).view(np.uint8), usedforsecurity=False).digest()
 
 
 def _cell(cell: Any) -> Any:

@@ -32,11 +32,18 @@ class DrawsInline:
         return drawing_bundle(self, include, exclude)
 
 
-class ProgramView(DrawsInline):
-    """Mixin for objects that are views of one `SliceProgram`."""
+class RunsProgram:
+    """Mixin for objects that run one `SliceProgram` when called: slices and edited
+    models. Passed back to jaxslice as a target, such an object is traced as it is
+    called, and its program marks the calls it computes again (`Adapter.program_of`), so
+    its boundaries are the model's calls in it (and an edit's new nodes)."""
 
     def _slice_program(self) -> Any:
         raise NotImplementedError
+
+
+class ProgramView(RunsProgram, DrawsInline):
+    """Mixin for objects that are views of one `SliceProgram`."""
 
     def _drawing_program(self) -> Any:
         return self._slice_program()

@@ -22,7 +22,7 @@ from .._errors import (
     NotAnArrayInputError,
     PositionalInputCountError,
 )
-from .._trees import abstract_tree, is_traced_leaf, is_weak, tree_key
+from .._trees import abstract, is_traced_leaf, is_weak, tree_key
 from .plan import Plan
 
 
@@ -122,10 +122,18 @@ def retrace_inputs(
 
 
 def _model_inputs(plan: Plan, split: Any, inputs: tuple[Any, ...], kw_inputs: dict) -> dict:
+    """The model's arguments with the slice's inputs in their places, as avals; the
+    leaves the plan reads as arrays are arrays even where given as Python numbers (which
+    would otherwise be fixed by the new trace, as the model's flags are)."""
     args, kwargs = list(split.args), dict(split.kwargs)
-    given = iter(inputs)
+    given = iter(_like_the_model(plan, split.args, inputs))
     for arg in plan.arguments:
-        value = abstract_tree(kw_inputs[arg.keyword] if arg.keyword is not None else next(given))
+        value = kw_inputs[arg.keyword] if arg.keyword is not None else next(given)
+        flat, tree = jax.tree_util.tree_flatten(value)  # its structure is checked
+        slots = zip(flat, arg.slot_ids, strict=True)
+        value = tree.unflatten(
+            [abstract(_as_array(arg, x) if v is not None else x) for x, v in slots]
+        )
         if arg.keyword is not None:
             kwargs[arg.keyword] = value
         else:

@@ -20,7 +20,7 @@ from .._errors import (
     UnaskedUpdatesError,
     VariableShapeError,
 )
-from .._trees import describe_aval, is_traced_leaf, path_str
+from .._trees import describe_aval, hashable, is_traced_leaf, path_str
 from .plan import Plan
 
 
@@ -54,6 +54,15 @@ def mode_value(name: str, value: Any) -> Any:
         return np.asarray(value).item()
     except jax.errors.TracerArrayConversionError:
         raise TracedModeError(name=name) from None
+
+
+def mode_key(value: Any) -> Any:
+    """A mode value in a cache key: a Python number with its type (``train=1`` and
+    ``train=True`` are equal, but may trace different programs), anything else as
+    itself (or its repr, where it does not hash)."""
+    if isinstance(value, (bool, int, float, complex)):
+        return type(value), value
+    return hashable(value)
 
 
 def check_alive(variables: Any, inputs: Any, variable_paths: Any = None) -> None:

@@ -39,20 +39,32 @@ def check_inputs(
             if vid is None:
                 continue
             if vid in seen:
-                raise _same_value(graph, seen[vid], (arg, leaf), vid, works)
+                raise _same_value(graph, arguments, seen[vid], (arg, leaf), vid, works)
             seen[vid] = (arg, leaf)
 
 
 def _same_value(
-    graph: Graph, a: tuple[Argument, int], b: tuple[Argument, int], vid: int, works: Callable
+    graph: Graph,
+    arguments: Sequence[Argument],
+    a: tuple[Argument, int],
+    b: tuple[Argument, int],
+    vid: int,
+    works: Callable,
 ) -> SameValueStartsError:
+    """The error for one value taken by two starts, with a fix that works where one is
+    found: the port of the module that makes the value, or for a model input, the model's
+    inputs taken once (None added to the starts, or a start that takes nothing but them
+    left out)."""
     producer = landmarks(graph).get(vid)
+    only_inputs, how = None, "producer"
     if producer is not None and producer[1] == OUTPUT:
         made = f"the output of {producer[0].qualname!r}"
         suggestion = [f"{producer[0].qualname}:output"]
+    elif vid in graph.input_ids:
+        made = "an input of the model"
+        how, suggestion, only_inputs = _input_taken_twice(arguments, a[0], b[0])
     else:
-        made = "an input of the model" if vid in graph.input_ids else "computed in the model"
-        suggestion = None
+        made, suggestion = "computed in the model", None
     fix = suggestion if suggestion is not None and works(suggestion) else None
     return SameValueStartsError.of(
         first=_leaf_label(*a),
@@ -60,7 +72,25 @@ def _same_value(
         aval=describe_aval(graph.avals[vid]),
         made=made,
         starts=fix,
+        how=how,
+        only_inputs=only_inputs,
     )
+
+
+def _input_taken_twice(
+    arguments: Sequence[Argument], a: Argument, b: Argument
+) -> tuple[str, list[Any], str | None]:
+    """``(kind of fix, starts, the start that takes only model inputs)`` for a model input
+    that arguments `a` and `b` both take: without None among the starts, None added (the
+    model's inputs are then taken once); with it, the named start left out, which took
+    nothing but the model's inputs (or None given once, where it was given twice)."""
+    specs = list(dict.fromkeys(arg.port.spec for arg in arguments))
+    if None not in specs:
+        return "add_none", [*specs, None], None
+    named = a.port.spec if a.port.spec is not None else b.port.spec
+    if named is None:
+        return "once", specs, None
+    return "drop", [s for s in specs if s != named], repr(named)
 
 
 def _leaf_label(arg: Argument, leaf: int) -> str:
@@ -101,15 +131,20 @@ def _check_used(
     unused = [p for p in starts if not _start_ids(arguments, p) & result.used_starts]
     if unused:
         end_labels = ", ".join(p.label for p in flat_ports(ends))
-        raise UnusedStartError(start=unused[0].label, ends=end_labels)
+        raise UnusedStartError(start=_start_label(unused[0]), ends=end_labels)
 
 
 def _start_ids(arguments: Sequence[Argument], port: Port) -> set[int]:
     return {i for a in arguments if a.port is port for i in a.input_ids}
 
 
+def _start_label(port: Port) -> str:
+    """A start as the user wrote it: ``'block:input'``, or ``None (the model's inputs)``."""
+    return f"None ({port.label})" if port.spec is None else port.label
+
+
 def _not_dependent(port: Port, starts: tuple[Port, ...]) -> EndNotConnectedError:
-    labels = ", ".join(p.label for p in starts)
+    labels = ", ".join(map(_start_label, starts))
     before = port.spec is not None and port.call.stop <= min(p.call.start for p in starts)
     return EndNotConnectedError.of(port.label, labels, before)
 
@@ -160,7 +195,23 @@ def raise_missing(
         end=_labels(ends),
         values=what,
         starts=fix,
+        ends=_narrower_ends(graph, input_ids, output_ids, ends, marks),
     )
+
+
+def _narrower_ends(
+    graph: Graph, input_ids: Sequence[int], output_ids: Sequence[int], ends: list[Port], marks: dict
+) -> list[str] | None:
+    """For a slice to the model's whole output of which only some values need what is
+    missing (an extra output, such as a cache of earlier layers' values): the boundaries
+    whose outputs give the other values (``[]`` where none names them); else None."""
+    if len(ends) != 1 or ends[0].spec is not None:
+        return None
+    ok = [v for v in output_ids if not graph.cut(input_ids, [v]).missing]
+    if not ok or len(ok) == len(output_ids):
+        return None
+    named = [marks[v][0].qualname for v in ok if marks.get(v, (None, INPUT))[1] == OUTPUT]
+    return list(dict.fromkeys(named))
 
 
 def _labels(ports: Sequence[Port]) -> str:

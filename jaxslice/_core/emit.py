@@ -30,8 +30,13 @@ def emit(
     eqns: Sequence[Any],
     arg_ids: Sequence[Sequence[int]],
     output_ids: Sequence[int],
+    before: Callable[[int, dict[int, Any]], None] | None = None,
 ) -> Callable[..., list[Any]]:
-    """A function ``f(*groups) -> outputs``; ``groups[k]`` holds values for ``arg_ids[k]``."""
+    """A function ``f(*groups) -> outputs``; ``groups[k]`` holds values for ``arg_ids[k]``.
+
+    `before`, if given, is called as ``before(k, values)`` before the k-th equation runs
+    and once more, with ``k = len(eqns)``, after the last (`remark` marks calls there);
+    `values` holds every value computed so far, by id."""
     eqns = list(eqns)
     consts = _consts(graph, eqns, output_ids, set())
     arg_ids = [tuple(ids) for ids in arg_ids]
@@ -43,12 +48,16 @@ def emit(
         env: dict[int, Any] = dict(consts)
         for ids, values in zip(arg_ids, groups, strict=True):
             env.update(zip(ids, values, strict=True))
-        for eqn, keep in zip(eqns, kept, strict=True):
+        for i, (eqn, keep) in enumerate(zip(eqns, kept, strict=True)):
+            if before is not None:
+                before(i, env)
             outs = _compat.bind_eqn(eqn.jax_eqn, [env[v] for v in eqn.ins])
             pairs = zip(eqn.outs, outs, strict=True)
             env.update(
                 pairs if keep is None else (p for p, k in zip(pairs, keep, strict=True) if k)
             )
+        if before is not None:
+            before(len(eqns), env)
         return [env[v] for v in output_ids]
 
     return run

@@ -145,7 +145,10 @@ class JitCalls:
         if mutable is False and not kwargs:
             return (structure,)  # the usual call's key (`call`)
         collections = tuple(mutable) if isinstance(mutable, list) else mutable
-        return tuple(kwargs.items()), collections, structure
+        # Each mode with its type (``train=1`` and ``train=True`` are equal), as itself: a
+        # value that does not hash goes through `apply_checked`.
+        modes = tuple((k, type(v), v) for k, v in kwargs.items())
+        return modes, collections, structure
 
     def _new_jitted(self, key: Any, kwargs: dict[str, Any], mutable: Any) -> Any:
         """`apply_checked` under `jax.jit` for calls of this key (`_CHECKED` for None)."""

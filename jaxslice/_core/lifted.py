@@ -14,6 +14,7 @@ seen inside the transform.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -44,12 +45,16 @@ def _whole_loops(g: Graph, calls: list[Call], readers: dict[int, list[int]]) -> 
     Inside a scan body each call is one iteration (``layers[:]``); the outermost module
     of a loop that is called nowhere else *is* the loop (its outer call is the lifted
     transform), so it also gets a boundary under its bare name, with the ports its caller
-    sees (`_loop_as_call`).
+    sees (`_loop_as_call`). A body that calls several modules side by side (the blocks
+    of an `hk.layer_stack`, say) is no one module's loop: none of them gets the loop.
     """
     outside = {c.name for c in calls if c.loop is None}
+    tops = [c for c in calls if _is_lifted(c, outside)]
+    per_loop = collections.Counter(id(c.loop) for c in tops)
+    lifted = {id(c) for c in tops if per_loop[id(c.loop)] == 1}
     out: list[Call] = []
     for c in calls:
-        if _is_lifted(c, outside):
+        if id(c) in lifted:
             out.append(_loop_as_call(g, readers, c))
         out.append(c)
     return out

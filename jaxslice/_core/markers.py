@@ -134,11 +134,15 @@ class StopRule:
 _STOP: contextvars.ContextVar[StopRule | None] = contextvars.ContextVar(
     "jaxslice_stop", default=None
 )
+# The program of the slice (or edited model) being traced as a target, whose runs mark
+# its calls again (`remarks`); None while a model is traced.
+_REMARK: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxslice_remark", default=None)
 
 
 @contextlib.contextmanager
-def marking(rule: StopRule | None = None) -> Iterator[list[str]]:
-    """Turns marking on for one trace; `rule` may end it early.
+def marking(rule: StopRule | None = None, remark: Any = None) -> Iterator[list[str]]:
+    """Turns marking on for one trace; `rule` may end it early; `remark` is the program
+    of a slice traced as a target (see `remarks`).
 
     Yields the list in which the boundaries being traced when the model raised are
     recorded (innermost first).
@@ -146,14 +150,22 @@ def marking(rule: StopRule | None = None) -> Iterator[list[str]]:
     if rule is not None:
         rule.top = _compat.current_trace()
     failed: list[str] = []
-    tokens = (_ACTIVE.set(True), _STOP.set(rule), _FAILED_IN.set(failed))
+    tokens = (_ACTIVE.set(True), _STOP.set(rule), _FAILED_IN.set(failed), _REMARK.set(remark))
     try:
         with _compat.marking_context():
             yield failed
     finally:
+        _REMARK.reset(tokens[3])
         _FAILED_IN.reset(tokens[2])
         _STOP.reset(tokens[1])
         _ACTIVE.reset(tokens[0])
+
+
+def remarks(program: Any) -> bool:
+    """Whether `program` is the one of the slice being traced as a target: its runs then
+    mark the calls it computes again, so that the trace sees them as boundaries. Only
+    that program does: a slice that a model merely calls stays one opaque computation."""
+    return program is not None and _REMARK.get() is program and _ACTIVE.get()
 
 
 # Every marked trace runs with a JAX flag that is part of JAX's trace context

@@ -92,6 +92,44 @@ def slot_depths(template: str) -> list[int]:
     return [int(d) for d in _SLOT.findall(template)]
 
 
+def split_name(name: str) -> tuple[str, ...]:
+    r"""A boundary name's module path, the inverse of `join_name`: split at each ``/``
+    that is not escaped, the escapes removed.
+
+    >>> split_name("p\\/q/dense")
+    ('p/q', 'dense')
+    """
+    parts = [""]
+    for token in re.findall(r"\\.|/|[^\\/]+", name):
+        if token == "/":
+            parts.append("")
+        else:
+            parts[-1] += token[1:] if token.startswith("\\") else token
+    return tuple(parts)
+
+
+def node_place(template: str) -> tuple[str, str]:
+    """Where a node inserted at a call in a scan body is listed, as the template name of
+    its parent and the iteration slot its own name takes.
+
+    A node is listed at the top of the loop body it runs in: under the call at the top of
+    the innermost body the call is inside (at ``layers[:]/block/mlp``: ``layers[:]/node``,
+    no slot of its own), or, at that top call itself, beside it, with the loop's slot (at
+    ``mlp[:]``: ``node[:]``; at ``outer[:]/mlp[:]``: ``outer[:]/node[:]``).
+
+    >>> [shown(t) for t in node_place(f"layers{iteration_slot(0)}/block/mlp")]
+    ['layers[:]', '']
+    >>> [shown(t) for t in node_place(f"outer{iteration_slot(0)}/mlp{iteration_slot(1)}")]
+    ['outer[:]', '[:]']
+    """
+    last = list(_SLOT.finditer(template))[-1]
+    if template[last.end() :]:
+        return template[: last.end()], ""
+    head = template[: last.start()]
+    seps = [m.start() for m in re.finditer(r"\\.|/", head) if m.group() == "/"]
+    return head[: seps[-1]] if seps else "", last.group()
+
+
 def split_indices(base: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """A name's text around its iteration slots, and what each slot holds.
 

@@ -131,19 +131,29 @@ def end_tree(graph: Graph, port: Port, params: frozenset[int]) -> Any:
 
 def _recomputed(graph: Graph, ports: tuple[Port, ...]) -> frozenset[int]:
     """With the model's inputs among several starts, the values of the other starts that
-    derive from those inputs outside any module (positions, masks) are computed by the
-    slice instead of taken."""
+    are those inputs (a position array every block is passed) are taken once, as the
+    model's inputs, and those that derive from them outside any module (positions,
+    masks) are computed by the slice instead of taken."""
     if len(ports) < 2 or all(p.spec is not None for p in ports):
         return frozenset()
-    return graph.derived_from_inputs()
+    return graph.derived_from_inputs() | frozenset(graph.input_ids)
 
 
 def _taken(graph: Graph, port: Port, fixed: frozenset[int], params: frozenset[int]) -> list[Any]:
-    """The arguments a start port contributes: all but parameters when the slice would
-    compute every one of its values again (a start the user names is never dropped
-    whole, unless it takes parameters alone)."""
-    found = arguments_of(graph, port, fixed | params)
-    return found if found or port.spec is None else arguments_of(graph, port, params)
+    """The arguments a start port contributes: all but parameters and, for a named port,
+    the values the slice takes as the model's inputs or computes again (`fixed`). A start
+    the user names is never dropped whole for values the slice would compute: made only
+    of values derived from the model's inputs, it takes them; made only of the model's
+    inputs themselves, it takes them too (and `diagnose.check_inputs` refuses them as
+    given twice)."""
+    if port.spec is None or not fixed:
+        return arguments_of(graph, port, params)
+    inputs = fixed & frozenset(graph.input_ids)
+    for skipped in (fixed, inputs):
+        found = arguments_of(graph, port, skipped | params)
+        if any(a.input_ids for a in found):
+            return found
+    return arguments_of(graph, port, params)
 
 
 def _plannable(graph: Graph, specs: list[Any], end: Any) -> bool:

@@ -38,7 +38,7 @@ from .._errors import (
 )
 from .._trees import abstract, abstract_tree, hashable, is_traced_leaf, nest, prune, tree_key
 from . import emit as emit_
-from . import exporting, loops
+from . import exporting, loops, markers, remark
 from . import variables as variables_
 from .arguments import (
     input_leaves,
@@ -46,7 +46,7 @@ from .arguments import (
     same_shapes,
     signature,
 )
-from .checks import check_alive, check_leaves, check_mutable
+from .checks import check_alive, check_leaves, check_mutable, mode_key, mode_value
 from .jitted import JitCalls, NotJittable
 from .plan import Plan, StateRules, plan
 from .trace import Traced, stop_specs, trace, trace_split
@@ -99,6 +99,12 @@ class Entry:
         traces; `fn` where there is none."""
         made = emit_.emit_jaxpr(self.traced.graph, self.plan.to_run, *_emitted(self.plan))
         return self.fn if made is None else made
+
+    @functools.cached_property
+    def marked(self) -> Any:
+        """`fn` marking the calls in the slice again (`remark`), for a trace of the slice
+        as a target."""
+        return remark.marked(self.traced.graph, self.plan.to_run, *_emitted(self.plan))
 
     @functools.cached_property
     def static_outputs(self) -> bool:
@@ -260,8 +266,10 @@ class SliceProgram:
         straight into that trace as they are (`Entry.inlined`), not bound again into a
         nested `jit` of their own, which XLA would inline again."""
         check_mutable(entry.plan, mutable, self.adapter)
+        # Traced as a target (`markers.remarks`), a slice marks its calls again.
+        fn = entry.marked if markers.remarks(self) else entry.inlined if inline else entry.jitted
         try:
-            outs = (entry.inlined if inline else entry.jitted)(var_leaves, rng_leaves, leaves)
+            outs = fn(var_leaves, rng_leaves, leaves)
         except RuntimeError:
             check_alive(var_leaves, leaves, entry.plan.variable_paths)
             raise
@@ -288,12 +296,15 @@ class SliceProgram:
         return entry, leaves
 
     def _split_kwargs(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(keyword inputs, mode)`` of a call's keyword arguments."""
+        """``(keyword inputs, mode)`` of a call's keyword arguments; a mode given as a
+        one-element array is its Python value (`checks.mode_value`), whichever view
+        called."""
         mode = self.base.traced.split.mode
         if not kwargs:
             return {}, mode
         new_mode = {k: v for k, v in kwargs.items() if k not in self.keywords}
         self.check_mode(new_mode)
+        new_mode = {k: mode_value(k, v) for k, v in new_mode.items()}
         kw_inputs = {k: v for k, v in kwargs.items() if k in self.keywords}
         return kw_inputs, {**mode, **new_mode}
 
@@ -301,7 +312,7 @@ class SliceProgram:
         return (
             signature,
             _static_key(rngs),
-            tuple(sorted((k, hashable(v)) for k, v in mode.items())),
+            tuple(sorted((k, mode_key(v)) for k, v in mode.items())),
             _static_key(mutable),
             hashable(self.adapter.structure_key(self.target)),
         )

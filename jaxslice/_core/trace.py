@@ -24,7 +24,7 @@ import jax
 from .. import _compat
 from .._caches import LRU
 from .._errors import ModelTraceError, SliceError
-from .._fingerprint import model_key
+from .._fingerprint import input_ids, model_key
 from .._shared import SHARED
 from .._trees import is_traced_leaf, shape_key, tree_key
 from ..adapters import Adapter, Split, adapter_for
@@ -82,16 +82,16 @@ def traced_key(adapter: Adapter, target: Any, split: Split) -> Any:
     """The key every cache of traced programs uses (here the graphs and call counts,
     `js.intermediates` its programs): what decides a traced program (SPEC "Reliability
     rules"), the model's structure and everything it holds by value (`model_key`: a
-    config object it reads, class attributes), the paths, shapes and dtypes of
+    config object it reads, class attributes, the contents of arrays it holds that are
+    not its variables, which the trace fixes), the paths, shapes and dtypes of
     variables, the inputs' structure, shapes, dtypes and fixed values (each of its own
     type), the mode, `mutable` and the random keys' structure. None when part of it
     cannot be hashed or described by value (nothing is cached then)."""
-    model = model_key(target)
+    flat = adapter.flatten_variables(split.variables)[0]
+    model = model_key(target, input_ids(x for _, x in flat))
     if model is None:
         return None
-    variables = tuple(
-        (path, shape_key(x)) for path, x in adapter.flatten_variables(split.variables)[0]
-    )
+    variables = tuple((path, shape_key(x)) for path, x in flat)
     key = (
         type(adapter),
         adapter.structure_key(target),
@@ -262,6 +262,7 @@ def _trace_once(
     rngs = _Leaves.of(*jax.tree_util.tree_flatten(split.rngs))
     inputs = _Leaves.of(*jax.tree_util.tree_flatten((split.args, split.kwargs)))
     info: dict[str, Any] = {"partial": False, "failed": [], "rule": None}
+    remark = adapter.program_of(target)  # a slice's program marks its calls again
 
     def program(var_a: list[Any], rng_a: list[Any], in_a: list[Any]) -> Any:
         call_args, call_kwargs = inputs.rebuild(in_a)
@@ -269,7 +270,7 @@ def _trace_once(
         rule = stop_rule(adapter, target, dataclasses.replace(split, mutable=mutable), stop_at, key)
         info["rule"] = rule
         try:
-            with markers.marking(rule) as info["failed"]:
+            with markers.marking(rule, remark) as info["failed"]:
                 call = Split(
                     variables=rebuild_variables(variables.merge(var_a)),
                     rngs=rngs.rebuild(rng_a),

@@ -33,6 +33,17 @@ class PlainNoParamsError(UnsupportedTargetError):
     )
 
 
+class SlicedTargetArgumentsError(InputMismatchError):
+    """A slice passed as a target was given its variables, as a plain function is."""
+
+    TEMPLATE = (
+        "A slice or an edited model passed as a target is called as it is called itself, "
+        "`sub(*inputs)`, with its own variables (`sub.variables`), but the first argument "
+        "has the structure of {what}. Pass its inputs only: js.boundaries(sub, x); to run "
+        "it with other variables, pass its `apply`: js.intermediates(sub.apply, variables, x)."
+    )
+
+
 # --------------------------------------------------------------------------- NNX
 
 
@@ -263,4 +274,37 @@ class KerasNotSavableError(InvalidSpecError):
         "a `get_config` (as Keras asks of subclassed models), or save the slice's weights "
         "instead (`sub.save_weights(path)`, loaded with `sub.load_weights(path)` into a "
         "slice made the same way), or save the model itself."
+    )
+
+
+class KerasEditedNotSavableError(InvalidSpecError):
+    """An edited Keras model was saved as a `.keras` file, which Keras cannot rebuild."""
+
+    TEMPLATE = (
+        "An edited Keras model cannot be saved as a `.keras` file: Keras rebuilds a model "
+        "from its config, and the edits (the functions and layers given to `js.edit`) have "
+        "none. Save its weights instead (`edited.save_weights(path)`, loaded with "
+        "`edited.load_weights(path)` into the model edited the same way), or save the "
+        "model as trained without the inserted layers (`edited.model.save(path)`) and each "
+        "inserted layer apart (`edited.nodes[name]`)."
+    )
+
+
+class KerasEditedOtherModelError(InvalidSpecError):
+    """An edited Keras model's `merge` was given another model than the one edited."""
+
+    TEMPLATE = (
+        "`edited.merge(model, variables)` writes into the Keras model that was edited "
+        "({expected}), whose variables the edited model shares; it was given {got}. Pass "
+        "`edited.model`, or edit the other model with `js.edit` first."
+    )
+
+
+class KerasInputNamesError(InputMismatchError):
+    """A Keras slice was given a dict of inputs without one of its input names."""
+
+    TEMPLATE = (
+        "This Keras model's inputs are named {names}; the dict of inputs given has the "
+        "keys {given}, without {missing}. Pass a dict with those keys, or a list of the "
+        "inputs in that order."
     )

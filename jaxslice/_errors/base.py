@@ -125,7 +125,7 @@ class MissingInputError(SliceError):
 
     TEMPLATE = (
         "The slice from {start} to {end} needs {what}, which {verb} computed before the "
-        "start of the slice and is not one of its inputs.\n{fix}"
+        "start of the slice and is not one of its inputs.\n{fix}{narrower}"
     )
     FIX = "Add it to `start`, for example: start={starts!r}"
     NO_FIX = (
@@ -133,21 +133,39 @@ class MissingInputError(SliceError):
         "earlier boundary that everything the slice needs derives from (or at None, the "
         "model's inputs), or mark the value with `js.mark`."
     )
+    NARROWER = (
+        "\nOnly part of the model's output needs it (an extra output, such as a cache of "
+        "earlier layers' values): end the slice at the part you need instead{example}, or "
+        "slice the model in a mode that does not return the rest (a keyword such as "
+        "`return_cache=False`)."
+    )
 
     @classmethod
     def of(
-        cls, start: str, end: str, values: list[str], starts: list[Any] | None
+        cls,
+        start: str,
+        end: str,
+        values: list[str],
+        starts: list[Any] | None,
+        ends: list[str] | None = None,
     ) -> MissingInputError:
         """The error for the described `values` a slice from `start` to `end` lacks;
-        `starts` is a verified fix (None: no boundary marks them)."""
+        `starts` is a verified fix (None: no boundary marks them); `ends`, for a slice to
+        the model's output of which only part needs them, the boundaries giving the rest
+        (None: not so)."""
+        example = ""
+        if ends:
+            example = f", for example end={ends[0] if len(ends) == 1 else ends!r}"
         return cls(
             start=start,
             end=end,
             values=values,
             starts=starts,
+            ends=ends,
             what=" and ".join(values) or "a value computed before the start",
             verb="are" if len(values) > 1 else "is",
             fix=cls.FIX.format(starts=starts) if starts else cls.NO_FIX,
+            narrower="" if ends is None else cls.NARROWER.format(example=example),
         )
 
 

@@ -219,20 +219,50 @@ class SameValueStartsError(InvalidSpecError):
 
     TEMPLATE = (
         "{first} and {second} are one value of the traced model ({aval}, {made}), so a slice "
-        "cannot take them as separate inputs (one would be silently ignored). This happens when "
-        "a module is called with a container that already holds another of its arguments (for "
-        "example `block(x, act)` where `act` holds `x`). {fix}"
+        "cannot take them as separate inputs (one would be silently ignored). {cause} {fix}"
     )
-    FIX = "Start at the module that produces it instead: start={starts!r}."
+    # Why one value reaches two starts, by what the value is.
+    CAUSES = {
+        "given": (
+            "This happens when two starts are passed the same array (a mask or positions "
+            "every block takes), or a module is called with a container that already holds "
+            "another of its arguments (for example `block(x, act)` where `act` holds `x`)."
+        ),
+        "inputs": (
+            "{start} takes nothing but the model's own inputs, which the start None takes "
+            "too (with None among the starts, a named start's arguments that are the "
+            "model's inputs come from None, and those derived from them are computed again)."
+        ),
+    }
+    FIXES = {
+        "producer": "Start at the module that produces it instead: start={starts!r}.",
+        "add_none": "Add None to `start`, so that the model's inputs are taken once: "
+        "start={starts!r}.",
+        "drop": "Leave {start} out: start={starts!r}.",
+        "once": "Give None once: start={starts!r}.",
+    }
     NO_FIX = "Start at an earlier boundary (or None, the model's inputs) instead."
 
     @classmethod
     def of(
-        cls, first: str, second: str, aval: str, made: str, starts: list[Any] | None
+        cls,
+        first: str,
+        second: str,
+        aval: str,
+        made: str,
+        starts: list[Any] | None,
+        how: str = "producer",
+        only_inputs: str | None = None,
     ) -> SameValueStartsError:
-        """The error for starts `first` and `second`; `starts` is a verified fix."""
-        fix = cls.FIX.format(starts=starts) if starts else cls.NO_FIX
-        return cls(first=first, second=second, aval=aval, made=made, starts=starts, fix=fix)
+        """The error for starts `first` and `second`; `starts` is a verified fix of kind
+        `how` (a key of `FIXES`); `only_inputs` names a start that takes nothing but the
+        model's inputs while None is a start too."""
+        shown = None if starts == [None] else starts
+        fix = cls.FIXES[how].format(starts=shown, start=only_inputs) if starts else cls.NO_FIX
+        cause = cls.CAUSES["inputs" if only_inputs else "given"].format(start=only_inputs)
+        return cls(
+            first=first, second=second, aval=aval, made=made, starts=starts, cause=cause, fix=fix
+        )
 
 
 class EndNotConnectedError(DisconnectedError):

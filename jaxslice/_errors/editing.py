@@ -67,9 +67,13 @@ class SharedModuleReplaceError(InvalidSpecError):
 
 
 class NodeNameError(InvalidSpecError):
-    """A node name is empty, not a string, or holds '@' or ':'."""
+    """A node name is empty, not a string, or holds one of ``/ [ ] @ : \\``."""
 
-    TEMPLATE = "A node name must be a non-empty string without '@' or ':', got {name!r}."
+    TEMPLATE = (
+        "A node name must be a non-empty string without any of / [ ] @ : \\ (a node's name "
+        "is one part of a boundary name, where those separate path parts, iterations, call "
+        "indices and ports), got {name!r}. Pick a plain name, e.g. name='adapter'."
+    )
 
 
 class NodeNameTakenError(InvalidSpecError):

@@ -16,17 +16,28 @@ from ._keras import KerasAdapter
 from ._linen import LinenAdapter
 from ._nnx import NNXAdapter
 from ._plain import PlainAdapter
+from ._sliced_target import SlicedAdapter
 
 # Tried in order: each kind's `accepts` looks at the target without importing libraries
-# the user has not imported; a plain function is the last resort.
-_KINDS = (LinenAdapter, NNXAdapter, EquinoxAdapter, HaikuAdapter, KerasAdapter, PlainAdapter)
+# the user has not imported; a plain function is the last resort. A `js.Sliced` (and a
+# view that runs one: a Keras or Haiku slice) comes first, before the Keras model a
+# Keras slice also is.
+_KINDS = (
+    SlicedAdapter,
+    LinenAdapter,
+    NNXAdapter,
+    EquinoxAdapter,
+    HaikuAdapter,
+    KerasAdapter,
+    PlainAdapter,
+)
 
 
 def adapter_for(target: Any) -> Adapter:
     """The adapter that knows how to trace `target`."""
     for kind in _KINDS:
         if kind.accepts(target):
-            return kind()
+            return kind.for_target(target)
     raise UnsupportedTargetError(kind=type(target).__name__)
 
 

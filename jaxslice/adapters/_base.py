@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from .._trees import is_traced_leaf, join_name, path_names
+from .._view import RunsProgram
 
 #: jaxslice's entry points, by name, set by the modules that define them as they are
 #: imported (``"slice"``: `js.slice`). Adapters sit below those modules, but a slice
@@ -89,6 +90,16 @@ class Adapter:
             return callable(target)
         module = sys.modules.get(cls.model_class[0])
         return module is not None and isinstance(target, getattr(module, cls.model_class[1]))
+
+    @classmethod
+    def for_target(cls, target: Any) -> Adapter:
+        """The adapter for `target`, one it `accepts`."""
+        return cls()
+
+    def program_of(self, target: Any) -> Any:
+        """The `SliceProgram` that a slice or an edited model passed as a target runs (its
+        calls are marked again while it is traced), or None for a model."""
+        return target._slice_program() if isinstance(target, RunsProgram) else None
 
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         raise NotImplementedError
@@ -186,6 +197,12 @@ class Adapter:
         """A module of this kind's library as an edit's new node named `name`, which
         receives values like `args` (one iteration's); None when `obj` is no such module
         (a plain function, say)."""
+        return None
+
+    def node_name(self, obj: Any) -> str | None:
+        """The name `obj`, a module of this kind's library inserted by an edit without a
+        ``name``, has in its library (a Keras layer's), or None; the node takes it where
+        it is free."""
         return None
 
     def edited_view(self, target: Any, edited: Any) -> Any:

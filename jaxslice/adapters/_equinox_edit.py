@@ -48,7 +48,9 @@ def edited_class() -> type:
         def __init__(self, program: Any, sliced: Any, names: tuple[str, ...], key: Any):
             self.program, self.sliced, self.names, self.key = program, sliced, names, key
 
-    class EditedEquinox(eqx.Module):
+    from .._view import RunsProgram
+
+    class EditedEquinox(RunsProgram, eqx.Module):
         """An edited Equinox model: an `eqx.Module` holding the model and the new nodes.
 
         ``edited(*inputs, **call_inputs)`` runs the edited model (one example per call,
@@ -64,6 +66,9 @@ def edited_class() -> type:
             self.nodes = tuple(built.nodes.values())
             key = _structure(model, self.nodes)
             self.edits = _Static(built.program, built.sliced, tuple(built.nodes), key)
+
+        def _slice_program(self) -> Any:
+            return self.edits.program
 
         def _variables(self) -> dict[str, Any]:
             changed = _changed(self.edits.key, _structure(self.model, self.nodes))

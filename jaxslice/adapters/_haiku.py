@@ -4,7 +4,10 @@
 Every module method call is marked through `hk.intercept_methods`, Haiku's public hook
 for exactly this. A boundary's name is the module's `module_name`, exactly as Haiku keys
 its parameters (``res_net18/~/block_group_1``; ``path.method`` for methods other than
-``__call__``). The transformed function itself is no boundary.
+``__call__``). The transformed function itself is no boundary. Modules of a lifted
+function (`hk.layer_stack`, `hk.lift`) are named under the lift's name, as Haiku keys
+their parameters (``stack/lin``; ``stack/lin[2]`` in a layer's scan iteration), and the
+lift itself is no boundary (`_Interceptor`).
 
 Inside, variables are held as collections, as linen's are: ``{"params": params}``,
 plus ``"state"`` for a stateful function (traced with ``mutable=["state"]`` unless told
@@ -17,6 +20,7 @@ dicts and ``apply(params, [state,] rng, *inputs)``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import sys
 from collections.abc import Mapping
@@ -38,23 +42,92 @@ RNG_HINT = (
 _APPLY_ARGUMENTS = frozenset({"params", "param", "state", "rng"})
 
 
-def _interceptor(next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
-    if context.method_name in _SKIPPED_METHODS:
-        return next_fun(*args, **kwargs)
-    module = context.module
-    path = _module_path(module.module_name)
-    method = context.method_name
-    # Haiku runs each method under `jax.named_call` of the module's local name (and of
-    # the method's, for one other than ``__call__``).
-    scope = (*(p for p in path if p != "~"), *([method] if method != "__call__" else []))
-    record = new_record(
-        origin=Origin.MODULE,
-        path=path,
-        method=method,
-        module_type=type(module).__name__,
-        scope=scope,
-    )
-    return call_marked(next_fun, args, kwargs, record)
+class _Interceptor:
+    """Marks the module calls of one trace (an `hk.intercept_methods` interceptor).
+
+    A lifted transform (`hk.layer_stack`, `hk.lift`) applies an inner transformed
+    function whose modules Haiku names from that function alone (``lin``), while the
+    outer params dict keys them under the lift's name (``__layer_stack_no_per_layer/lin``).
+    The lift itself is a module whose call only hands the inner function its parameters:
+    that call is no boundary, but its name prefixes the inner function's modules. An
+    inner transform is known by its parameters: during ``apply`` they are the lift's
+    result, keyed without the prefix. Sharp edge: a transparent lift whose
+    iterations Haiku keys under names of their own (a ``transparency_map``) is not
+    recognised, and its modules keep the inner names.
+    """
+
+    def __init__(self) -> None:
+        # per lift met: (its inner params and state keys, their path and scope prefixes)
+        self.lifts: list[tuple[Any, _Prefix]] = []
+
+    def __call__(
+        self, next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any
+    ) -> Any:
+        if context.method_name in _SKIPPED_METHODS:
+            return next_fun(*args, **kwargs)
+        module = context.module
+        outer = self._prefix()
+        if _is_lift(module):
+            result = next_fun(*args, **kwargs)
+            self._note_lift(module, result, outer)
+            return result
+        own = _module_path(module.module_name)
+        method = context.method_name
+        # Haiku runs each method under `jax.named_call` of the module's local name (and of
+        # the method's, for one other than ``__call__``).
+        scope = (*outer.scope, *_scope(own), *([method] if method != "__call__" else []))
+        record = new_record(
+            origin=Origin.MODULE,
+            path=(*outer.path, *own),
+            method=method,
+            module_type=type(module).__name__,
+            scope=scope,
+        )
+        return call_marked(next_fun, args, kwargs, record)
+
+    def _prefix(self) -> _Prefix:
+        """The prefixes of the transform running now: a lift's, if its params are the
+        lift's result (the last such lift met), else none."""
+        if not self.lifts:  # no lift met yet: no need to read the params
+            return _NO_PREFIX
+        keys = _frame_keys()
+        return next((p for k, p in reversed(self.lifts) if k == keys), _NO_PREFIX)
+
+    def _note_lift(self, module: Any, result: Any, outer: _Prefix) -> None:
+        params, state = result
+        keys = (frozenset(params), frozenset(state))
+        if params or state:  # a lift of nothing keys nothing
+            lifted = _module_path(module.prefix_name) if module.prefix_name else ()
+            # its inner function runs where the lift was called: in the lift's caller
+            scope = _scope(_module_path(module.module_name))[:-1]
+            self.lifts.append((keys, _Prefix((*outer.path, *lifted), (*outer.scope, *scope))))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prefix:
+    """What a transform's module names and `jax.named_call` scopes are seen under."""
+
+    path: tuple[str, ...] = ()
+    scope: tuple[str, ...] = ()
+
+
+_NO_PREFIX = _Prefix()
+
+
+def _is_lift(module: Any) -> bool:
+    """Whether `module` is Haiku's `LiftingModule` (not exported: known by its type's name)."""
+    return any(c.__name__ == "LiftingModuleType" for c in type(module).__mro__)
+
+
+def _frame_keys() -> Any:
+    """The module names keying the running transform's params and state."""
+    import haiku as hk
+
+    return frozenset(hk.experimental.get_params()), frozenset(hk.experimental.get_current_state())
+
+
+def _scope(path: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(p for p in path if p != "~")
 
 
 def haiku_interception() -> Any:
@@ -62,7 +135,7 @@ def haiku_interception() -> Any:
     transformed function (``f.apply(params, x)``), whose modules are boundaries under
     Haiku's names. Nothing to do where Haiku is not imported."""
     hk = sys.modules.get("haiku")
-    return contextlib.nullcontext() if hk is None else hk.intercept_methods(_interceptor)
+    return contextlib.nullcontext() if hk is None else hk.intercept_methods(_Interceptor())
 
 
 def _module_path(module_name: str) -> tuple[str, ...]:
@@ -137,7 +210,7 @@ class HaikuAdapter(Adapter):
             given.append(variables["state"])
         if _takes_rng(target):
             given.append(call.rngs)
-        with hk.intercept_methods(_interceptor):
+        with hk.intercept_methods(_Interceptor()):
             result = target.apply(*given, *call.args, **call.kwargs)
         if not self._stateful(target):
             return result, None
@@ -150,7 +223,10 @@ class HaikuAdapter(Adapter):
         return HaikuSliced(sliced, stateful=self._stateful(target), takes_rng=_takes_rng(target))
 
     def edited_view(self, target: Any, edited: Any) -> Any:
-        return self.sliced_view(target, edited.sliced)  # as a slice of the model is
+        from ._haiku_slice import HaikuEdited  # a `HaikuSliced`, as a slice of the model is
+
+        stateful, takes_rng = self._stateful(target), _takes_rng(target)
+        return HaikuEdited(edited.sliced, stateful=stateful, takes_rng=takes_rng)
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
         names = keywords_of(target.apply)

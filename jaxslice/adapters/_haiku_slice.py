@@ -141,3 +141,45 @@ class HaikuSliced(ProgramView):
 
     def __reduce__(self) -> Any:
         return self.sliced.__reduce__()
+
+
+class HaikuEdited(HaikuSliced):
+    """An edited `hk.Transformed`, applied as Haiku's own ``apply`` is (a `HaikuSliced`).
+
+    ``edited.params`` holds the model's parameters and the new nodes', whose modules are
+    keyed under the node's name (``adapter/linear``, as `hk.name_scope` keys them).
+    `merge` and `merge_state` write trained parameters and state back to the model,
+    leaving the nodes' out, and `nodes` gives the nodes' parameters apart.
+
+    >>> import jax, jax.numpy as jnp, haiku as hk, jaxslice as js
+    >>> f = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(2, name="head")(x)))
+    >>> x = jnp.ones((3, 5))
+    >>> params = f.init(jax.random.key(0), x)
+    >>> g = js.edit(f, params, x)
+    >>> edited = g.insert_after("head", lambda h: hk.Linear(2, name="lin")(h),
+    ...                         key=jax.random.key(1), name="adapter").build()
+    >>> sorted(edited.params)
+    ['adapter/lin', 'head']
+    >>> list(edited.merge(params, edited.params)), list(edited.nodes(edited.params))
+    (['head'], ['adapter/lin'])
+    """
+
+    def merge(self, params: Any, new_params: Any) -> dict[str, Any]:
+        """The model's Haiku params with its entries replaced from `new_params` (the
+        structure of ``edited.params``, or a part of it), the nodes' left out: what the
+        model needs to run as trained, without the edits. Other entries are the same
+        objects.
+
+        Raises:
+          VariablesMismatchError: if the model's entries of `new_params` hold a module or
+            parameter the model does not have, or a leaf of another shape or dtype.
+        """
+        return super().merge(params, new_params)
+
+    def nodes(self, params: Any = None) -> dict[str, Any]:
+        """The new nodes' parameters apart from the model's, as a Haiku params dict
+        keyed as in ``edited.params`` (``adapter/lin``); entries `params` (default:
+        ``edited.params``) lacks are taken from ``edited.params``."""
+        given = self.params if params is None else params
+        nodes = self.sliced.nodes({"params": given})
+        return {k: v for node in nodes.values() for k, v in node.get("params", {}).items()}

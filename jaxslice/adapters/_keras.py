@@ -64,6 +64,14 @@ def _children(layer: Any) -> list[Any]:
     return list(getattr(layer, "layers", []))  # pragma: no cover - other Keras 3 releases
 
 
+def trainable_flags(model: Any) -> tuple[bool, ...]:
+    """The `trainable` flag of `model` and of every layer inside it, in Keras's order."""
+    flatten = getattr(model, "_flatten_layers", None)
+    if flatten is not None:
+        return tuple(layer.trainable for layer in flatten())
+    return tuple(layer.trainable for _, layer in layer_paths(model).values())  # pragma: no cover
+
+
 def layer_paths(model: Any) -> dict[int, tuple[tuple[str, ...], Any]]:
     """``id(layer) -> (path, layer)`` for every layer inside `model` (first path of a
     layer reachable twice); the model itself has the path ``()``."""
@@ -126,6 +134,28 @@ def _read(tree: dict[str, Any], key: tuple[str, ...]) -> Any:
     return tree
 
 
+def _has(tree: Any, key: tuple[str, ...]) -> bool:
+    for part in key:
+        if not isinstance(tree, dict) or part not in tree:
+            return False
+        tree = tree[part]
+    return True
+
+
+def keys_as_in(keys: dict[int, tuple[str, ...]], variables: Any) -> dict[int, tuple[str, ...]]:
+    """`keys` (`variable_keys`) with each variable in the group `variables` hold it in.
+
+    Setting a layer's ``trainable`` moves its variables to Keras's other list, and so to
+    the other group of `variable_keys`, but not in variables split before (a slice's,
+    which keep the layout it was made with)."""
+    other = dict(zip(GROUPS, reversed(GROUPS), strict=True))
+    out = {}
+    for i, key in keys.items():
+        moved = (other[key[0]], *key[1:])
+        out[i] = moved if not _has(variables, key) and _has(variables, moved) else key
+    return out
+
+
 def held_variables(target: Any, variables: Any) -> tuple[list[Any], Any]:
     """The model's own `keras.Variable`s behind the leaves of `variables` (a slice's, as
     `split` makes them), in leaf order, and the treedef of `variables`."""
@@ -161,14 +191,11 @@ class KerasAdapter(CollectionNodes, Adapter):
 
         if call.rngs is not None:
             raise KerasRngsError()
-        keys = variable_keys(target)
-        trainable = [_read(call.variables, keys[id(v)]) for v in target.trainable_variables]
-        fixed = [_read(call.variables, keys[id(v)]) for v in target.non_trainable_variables]
+        keys = keys_as_in(variable_keys(target), call.variables)
+        mapping = [(v, _read(call.variables, keys[id(v)])) for v in target.variables]
         found = layer_paths(target)
         paths = {i: path for i, (path, _) in found.items() if path}
         classes = callable_classes(layer for path, layer in found.values() if path)
-        mapping = [*zip(target.trainable_variables, trainable, strict=True)]
-        mapping += zip(target.non_trainable_variables, fixed, strict=True)
         # What `stateless_call` does, but through `__call__`, so that `training=` reaches
         # sublayers through Keras's call context as in `model(x, training=True)`, also
         # when the model's `call` does not take or pass on `training`.
@@ -176,6 +203,12 @@ class KerasAdapter(CollectionNodes, Adapter):
             out = target(*call.args, **call.kwargs)
         pairs = [(v, scope.get_current_value(v)) for v in target.non_trainable_variables]
         return out, _nested([(keys[id(v)], value) for v, value in pairs])
+
+    def structure_key(self, target: Any) -> Any:
+        """The layers' ``trainable`` flags: a frozen layer computes otherwise (a frozen
+        `BatchNormalization` keeps its moving statistics in training mode), as a Keras
+        model traces its training step again when they change."""
+        return trainable_flags(target)
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
         names = keywords_of(type(target).call)
@@ -201,12 +234,11 @@ class KerasAdapter(CollectionNodes, Adapter):
 
         keys = variable_keys(target)
         by_key = {keys[id(v)]: v for v in target.variables}
-        return KerasSlice(
-            sliced, by_key, {path: layer for path, layer in layer_paths(target).values()}
-        )
+        layers = {path: layer for path, layer in layer_paths(target).values()}
+        return KerasSlice(sliced, by_key, layers, target)
 
     def assign(self, model: Any, variables: Any) -> None:
-        keys = variable_keys(model)
+        keys = keys_as_in(variable_keys(model), variables)
         for v in model.variables:
             value = _read(variables, keys[id(v)])
             if value is not v.value:
@@ -243,6 +275,28 @@ class KerasAdapter(CollectionNodes, Adapter):
 
         variables = _nested([(keys[id(v)], v.value) for v in obj.variables])
         return NewModule(fn, variables=variables)
+
+    def edited_view(self, target: Any, edited: Any) -> Any:
+        """A `keras.Model` sharing the model's and the inserted layers' variables
+        (`_keras_edit.KerasEdited`), each found by its key in the edited model's
+        variables: an inserted layer's under its node name."""
+        from ._keras_edit import KerasEdited
+
+        layout = edited.sliced.variables
+        keys = keys_as_in(variable_keys(target), layout)
+        variables = {keys[id(v)]: v for v in target.variables}
+        layers = {path: layer for path, layer in layer_paths(target).values()}
+        for name, layer in edited.nodes.items():  # after the model's: a replacing layer wins
+            moved = {i: (k[0], name, *k[1:]) for i, k in variable_keys(layer).items()}
+            node_keys = keys_as_in(moved, layout)
+            variables.update({node_keys[id(v)]: v for v in layer.variables})
+            layers.update({(name, *path): sub for path, sub in layer_paths(layer).values()})
+        return KerasEdited(edited.sliced, variables, layers, target, edited.nodes)
+
+    def node_name(self, obj: Any) -> str | None:
+        import keras
+
+        return obj.name if isinstance(obj, keras.Layer) else None
 
     def variable_names(self, variables: Any) -> set[str]:
         return {str(k) for group in variables.values() for k in group}

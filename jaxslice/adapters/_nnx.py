@@ -24,7 +24,15 @@ from .._core.markers import StopTracing
 from .._errors import AttributeMutationError
 from .._trees import is_array
 from ._base import Adapter, NewModule, Split, count_by_prefix, keywords_of, split_kwargs
-from ._nnx_state import flat_state, get_value, set_value, state_from_flat
+from ._nnx_state import (
+    assign,
+    flat_state,
+    get_value,
+    is_variable,
+    set_value,
+    state_from_flat,
+    with_value,
+)
 from ._patching import callable_classes, marked_calls
 
 
@@ -95,7 +103,10 @@ class NNXAdapter(Adapter):
 
         variables = dict(flat_state(nnx.state(target)))
         for path, value in state:
-            set_value(variables[path], value)
+            if is_variable(variables[path]):
+                set_value(variables[path], value)
+            else:  # a plain array: replaced on its module
+                assign(target, path, value)
 
     def slice_view(self, target: Any, program: Any) -> Any:
         from ._nnx_module import SlicedModule
@@ -251,6 +262,6 @@ class _NNXVariables:
 
         pairs = []
         for (path, var), value in zip(self.flat, leaves, strict=True):
-            pairs.append((path, var.replace(value)))
+            pairs.append((path, with_value(var, value)))
         state = state_from_flat(pairs)
         return nnx.merge(self.graphdef, state), self.graphdef

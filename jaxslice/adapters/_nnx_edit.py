@@ -24,7 +24,16 @@ from flax import nnx
 from .. import _compat
 from .._errors import NNXEditedExportStateError, NNXEditedNotCopyableError, NNXNodeStateError
 from .._trees import joined_key
-from ._nnx_state import flat_state, get_value, set_value, state_from_flat
+from .._view import RunsProgram
+from ._nnx_state import (
+    assign,
+    flat_state,
+    get_value,
+    is_variable,
+    set_value,
+    state_from_flat,
+    with_value,
+)
 
 
 def node_of(module: Any) -> tuple[Callable[..., Any], dict[str, Any], Callable[[], Any]]:
@@ -36,7 +45,7 @@ def node_of(module: Any) -> tuple[Callable[..., Any], dict[str, Any], Callable[[
     def fn(values: dict[str, Any], *args: Any) -> Any:
         graphdef, state = nnx.split(module)
         flat = flat_state(state)
-        pairs = [(p, v.replace(values[joined_key(p)])) for p, v in flat]
+        pairs = [(p, with_value(v, values[joined_key(p)])) for p, v in flat]
         copy = nnx.merge(graphdef, state_from_flat(pairs))
         out = copy(*args)
         after = {joined_key(p): get_value(v) for p, v in flat_state(nnx.state(copy))}
@@ -56,7 +65,7 @@ class _Static:
         self.__dict__.update(fields)
 
 
-class EditedModule(nnx.Module):
+class EditedModule(RunsProgram, nnx.Module):
     """An edited NNX model: an `nnx.Module` holding the model and the new nodes.
 
     Create one with ``js.edit(model, *inputs)....build()``. Calling it runs the edited
@@ -71,14 +80,18 @@ class EditedModule(nnx.Module):
             sliced=edited.sliced, program=edited.program, names=tuple(edited.nodes)
         )
 
+    def _slice_program(self) -> Any:
+        return self._jaxslice.program
+
     def _variables(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``({"model": ..., "nodes": ...}, the model's variables by key)``, current values."""
-        held = {joined_key(p): v for p, v in flat_state(nnx.state(self.model))}
+        """``({"model": ..., "nodes": ...}, the model's state leaves by key)``, current
+        values."""
+        held = {joined_key(p): (p, v) for p, v in flat_state(nnx.state(self.model))}
         nodes = {
             name: {joined_key(p): get_value(v) for p, v in flat_state(nnx.state(node))}
             for name, node in zip(self._jaxslice.names, self.nodes, strict=True)
         }
-        values = {k: get_value(v) for k, v in held.items()}
+        values = {k: get_value(v) for k, (_, v) in held.items()}
         return {"model": values, "nodes": nodes}, held
 
     def __call__(self, *inputs: Any, **call_inputs: Any) -> Any:
@@ -89,7 +102,11 @@ class EditedModule(nnx.Module):
         values = [flat[p] for p in entry.plan.variable_paths]  # those this mode reads
         out, state = program.run(entry, values, [], leaves, False)
         for key, value in state.items():
-            set_value(held[key], value)
+            path, leaf = held[key]
+            if is_variable(leaf):
+                set_value(leaf, value)
+            else:  # a plain array: replaced on its module
+                assign(self.model, path, value)
         return out
 
     def export(self, *, batch: str | None = "b", platforms: Any = None) -> Any:

@@ -8,19 +8,30 @@ and RNG state *are* the model's: training the slice trains the model, and
 definition of the model (so a changed flag or submodule re-traces, and an unchanged one
 does not). Each call reads the current variable values, runs only the
 sliced program and writes back the state it updated (batch statistics, RNG counters).
+
+Plain arrays the model holds as attributes are state as well (`nnx.state` lists them),
+but they are values, not shared objects: one is changed by reassigning the attribute.
+Those of the submodules the slice holds are read from those submodules at each call.
+Those the root module holds itself are kept in `loose` like its variables, and an
+eager call first reconciles them with the root by identity: the root's array if the
+attribute was reassigned, else the slice's if a transform of the slice (`nnx.jit`)
+updated it. Inside a transform the slice uses the arrays it holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from .. import _compat
 from .._errors import NNXModeVariablesError, NNXSliceExportStateError, NNXSliceNotCopyableError
+from .._trees import is_array
 from .._view import ProgramView
-from ._nnx_state import get_value, set_value
+from ._nnx_state import assign, get_value, is_variable, set_value
 from ._parts import held_paths
 
 
@@ -58,6 +69,8 @@ class SlicedModule(ProgramView, nnx.Module):
             root=root,
             part_paths=part_paths,
             loose_paths=loose_paths,
+            # the root's plain arrays by position in `loose`: the array last agreed on
+            agreed={i: nodes[p] for i, p in enumerate(loose_paths) if not is_variable(nodes[p])},
         )
 
     def _slice_program(self) -> Any:
@@ -68,11 +81,53 @@ class SlicedModule(ProgramView, nnx.Module):
         found: dict[tuple[Any, ...], Any] = {}
         for prefix, module in zip(meta.part_paths, self.parts, strict=True):
             for path, node in nnx.iter_graph(module):
-                if isinstance(node, nnx.Variable):
+                if isinstance(node, nnx.Variable) or is_array(node):
                     found.setdefault(prefix + tuple(path), node)
         for path, var in zip(meta.loose_paths, self.loose, strict=True):
             found[path] = var
         return found
+
+    def _root_arrays(self) -> dict[tuple[Any, ...], Any]:
+        """The plain arrays the root holds itself, by path, reconciled with the root:
+        the root's where the attribute was reassigned, else the slice's (a transform of
+        the slice may have updated it). Outside transforms, both then agree."""
+        meta, found = self._jaxslice, {}
+        eager = not _compat.tracing()
+        for i, agreed in meta.agreed.items():
+            held, path = self.loose[i], meta.loose_paths[i]
+            if not isinstance(held, _CONCRETE):
+                continue  # an input of a transform of the slice: used as it is
+            current = _at(meta.root, path)
+            found[path] = value = current if current is not agreed else held
+            if eager:
+                self._agree(i, value, current)
+        return found
+
+    def _agree(self, i: int, value: Any, current: Any) -> None:
+        """The root's plain array `i` in `loose` and on the root is `value` from now on."""
+        meta = self._jaxslice
+        self.loose[i] = meta.agreed[i] = value
+        if value is not current:
+            assign(meta.root, meta.loose_paths[i], value)
+
+    def _write(self, path: tuple[Any, ...], leaf: Any, value: Any) -> None:
+        """Writes back one updated state leaf: a variable in place, a plain array on the
+        module holding it (the root's: in `loose`, and outside transforms on the root)."""
+        if is_variable(leaf):
+            set_value(leaf, value)
+            return
+        meta = self._jaxslice
+        if path in meta.loose_paths:
+            i = meta.loose_paths.index(path)
+            if _compat.tracing():
+                self.loose[i] = value
+            else:
+                self._agree(i, value, _at(meta.root, path))
+            return
+        for prefix, module in zip(meta.part_paths, self.parts, strict=True):
+            if path[: len(prefix)] == prefix:
+                assign(module, path[len(prefix) :], value)
+                return
 
     def __reduce__(self) -> Any:
         raise NNXSliceNotCopyableError()
@@ -109,7 +164,7 @@ class SlicedModule(ProgramView, nnx.Module):
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         program = self._jaxslice.program
         entry, leaves = program.lookup(inputs, kwargs, None, True)
-        variables = self._variables_by_path()
+        variables = {**self._variables_by_path(), **self._root_arrays()}
         missing = [
             p for p in entry.plan.variable_paths + entry.plan.state_paths if p not in variables
         ]
@@ -119,8 +174,19 @@ class SlicedModule(ProgramView, nnx.Module):
         values = [get_value(variables[p]) for p in entry.plan.variable_paths]
         result, state = program.run(entry, values, [], leaves, True)
         for path, value in state:
-            set_value(variables[path], value)
+            self._write(path, variables[path], value)
         return result
+
+
+_CONCRETE = (_compat.CONCRETE_ARRAY, np.ndarray, np.generic)  # not a tracer
+
+
+def _at(node: Any, path: tuple[Any, ...]) -> Any:
+    """The value at `path` below `node` (attributes of modules, items of containers)."""
+    for key in path:
+        by_item = isinstance(node, Mapping) or not isinstance(key, str)
+        node = node[key] if by_item else getattr(node, key)
+    return node
 
 
 _compat.register_frames_exclusion(__file__)

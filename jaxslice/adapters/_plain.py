@@ -10,6 +10,10 @@ and scopes nest alike), and profiles show the same names.
 from __future__ import annotations
 
 import functools
+import inspect
+import os
+import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
@@ -17,6 +21,7 @@ import jax
 
 from .._core.markers import Origin, call_marked, new_record
 from .._errors import MarkNameError, PlainNoParamsError
+from .._warnings import SingleArgumentWarning
 from ._base import Adapter, Split, count_by_prefix, keywords_of, leaf_sizes, split_kwargs
 from ._haiku import haiku_interception, haiku_parameter_counts
 
@@ -78,6 +83,9 @@ class PlainAdapter(Adapter):
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         if not args:
             raise PlainNoParamsError()
+        if len(args) == 1 and _takes_one_argument(target):
+            name = getattr(target, "__name__", type(target).__name__)
+            warnings.warn(SingleArgumentWarning.of(repr(name)), stacklevel=_user_level())
         inputs, mode = split_kwargs(kwargs)
         return Split(variables=args[0], rngs=None, args=tuple(args[1:]), kwargs=inputs, mode=mode)
 
@@ -94,3 +102,25 @@ class PlainAdapter(Adapter):
         for name, size in haiku_parameter_counts(variables).items():
             counts.setdefault(name, size)
         return counts
+
+
+def _takes_one_argument(fn: Any) -> bool:
+    """Whether `fn` takes exactly one positional argument (a closure over the model,
+    ``lambda t: model(t)``), so it has no room for both parameters and inputs."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return False
+    return sum(p.kind in kinds for p in params) == 1
+
+
+def _user_level() -> int:
+    """The `stacklevel` of the first frame outside jaxslice (the user's call)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -27,7 +27,18 @@ from ..observe import Moments
 
 
 class Criterion:
-    """Base class of coverage criteria. Subclasses define the state and its update."""
+    """Base class of coverage criteria. Subclasses define the state and its update.
+
+    A criterion is a value: its class and its settings (the attributes its constructor
+    sets) say everything it does, so two criteria of one class with equal settings are
+    equal (and hash alike), whichever object a tracker holds.
+
+    >>> import jaxslice as js
+    >>> js.coverage.NC(0.5) == js.coverage.NC(threshold=0.5) != js.coverage.NC(0.3)
+    True
+    >>> js.coverage.KMNC(4)
+    KMNC(k=4)
+    """
 
     #: whether `Tracker.profile` must run first (the criterion reads [low_n, high_n])
     needs_profile: bool = False
@@ -37,6 +48,24 @@ class Criterion:
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        try:
+            return bool(vars(self) == vars(other))
+        except (TypeError, ValueError):  # settings that do not compare as one value
+            return self is other
+
+    def __hash__(self) -> int:
+        try:
+            return hash((type(self), tuple(sorted(vars(self).items()))))
+        except TypeError:  # unhashable settings: equal criteria still hash alike
+            return hash(type(self))
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{self.name}({settings})"
 
     def keys(self, layers: list[str]) -> list[str]:
         """The result keys (one per layer, or per pair of layers)."""

@@ -96,8 +96,9 @@ def generate(
     Args:
       tracker: a `js.coverage.Tracker`.
       seeds: a batch of the model's inputs, as for `tracker.update`.
-      criterion: one of the tracker's criteria (the object, its result name, or its
-        class): `NC`, `SignSign`, `ValueSign`, `SignValue` or `ValueValue`.
+      criterion: one of the tracker's criteria (the object or an equal one, such as
+        ``NC(0.5)`` for the tracker's ``NC(0.5)``; its result name; or its class):
+        `NC`, `SignSign`, `ValueSign`, `SignValue` or `ValueValue`.
       eps: the L∞ budget, a positive number.
       steps: gradient steps per search.
       bounds: ``(low, high)`` every input value stays within (numbers or arrays that
@@ -165,8 +166,8 @@ def _criterion_index(tracker: Any, criterion: Any) -> int:
         picks = [i for i, name in enumerate(names) if name == criterion]
     elif isinstance(criterion, type):
         picks = [i for i, c in enumerate(tracker.criteria) if type(c) is criterion]
-    else:
-        picks = [i for i, c in enumerate(tracker.criteria) if c is criterion]
+    else:  # criteria are values: the tracker's own object, or an equal one
+        picks = [i for i, c in enumerate(tracker.criteria) if c == criterion]
     if len(picks) != 1:
         how = "several" if picks else "no"
         raise AmbiguousCriterionError(how=how, criterion=criterion, names=names)

@@ -239,3 +239,172 @@ def test_slices_from_several_threads_agree():
         t.join()
     for value in got:
         close(value, want)
+
+
+# `hk.layer_stack`: a lifted transform whose parameters Haiku keys under the stack's name
+# (``__layer_stack_no_per_layer/lin``, rows stacked per layer) and whose layers run in a
+# `scan`. Oracles: Haiku's own stack over fewer layers given the rows it runs, and the
+# body's modules applied by hand to one row.
+
+STACK = "__layer_stack_no_per_layer/lin"
+
+
+def stacked_layer(h):
+    return jnp.tanh(hk.Linear(4, name="lin")(h))
+
+
+def stack_fn(layers, head=True):
+    def fn(x):
+        h = hk.layer_stack(layers)(stacked_layer)(x)
+        return hk.Linear(2, name="head")(h) if head else h
+
+    return hk.without_apply_rng(hk.transform(fn))
+
+
+def rows(params, index, stack="__layer_stack_no_per_layer"):
+    """Rows `index` (a slice or one row) of the parameters stacked under `stack`."""
+    return {
+        k: jax.tree.map(lambda a: a[index], v) if k.startswith(stack + "/") else v
+        for k, v in params.items()
+    }
+
+
+def module_apply(module, params, *args):
+    """A Haiku module built by `module` applied with `params` (its own keys)."""
+    return hk.without_apply_rng(hk.transform(lambda *a: module()(*a))).apply(params, *args)
+
+
+def lin_row(params, k, h):
+    """The stack's `lin` in layer k, by hand."""
+    return module_apply(lambda: hk.Linear(4, name="lin"), {"lin": rows(params, k)[STACK]}, h)
+
+
+def stacked_block(h):
+    h = h + hk.Linear(4, name="attn")(h)
+    return jnp.tanh(hk.nets.MLP([4, 4], name="mlp")(h))
+
+
+class StackedModel(hk.Module):
+    def __init__(self, layers=2, head=True, name="model"):
+        super().__init__(name=name)
+        self.layers, self.head = layers, head
+
+    def __call__(self, x):
+        h = hk.layer_stack(self.layers, name="stack")(stacked_block)(x)
+        return hk.Linear(2, name="head")(h) if self.head else h
+
+
+def test_layer_stack_names_are_haiku_parameter_keys():
+    f = stack_fn(3)
+    params = f.init(jax.random.key(0), X[:, :4])
+    table = js.boundaries(f, params, X[:, :4])
+    # the stack as a whole (its body is one module), every layer, then the head: no
+    # boundary for the lift that only hands the layers their parameters
+    assert table.names() == [STACK, f"{STACK}[:]", "head"]
+    size = sum(v.size for v in params[STACK].values())
+    assert [b.param_count for b in table] == [size, size, 10]
+
+    def two_stacks(x):  # two stacks with the same body, and a module named as the body's
+        h = hk.layer_stack(2, name="a")(stacked_layer)(x)
+        return hk.layer_stack(3, name="b")(stacked_layer)(hk.Linear(4, name="lin")(h))
+
+    g = hk.without_apply_rng(hk.transform(two_stacks))
+    names = js.boundaries(g, g.init(jax.random.key(0), X[:, :4]), X[:, :4]).names()
+    assert names == ["a/lin", "a/lin[:]", "lin", "b/lin", "b/lin[:]"]
+
+    h = hk.without_apply_rng(hk.transform(lambda x: StackedModel()(x)))
+    params = h.init(jax.random.key(0), X[:, :4])
+    table = js.boundaries(h, params, X[:, :4])
+    assert table.names() == [
+        "model",
+        "model/stack/attn[:]",
+        "model/stack/mlp[:]",
+        "model/stack/mlp[:]/~/linear_0",
+        "model/stack/mlp[:]/~/linear_1",
+        "model/head",
+    ]
+    for b in table:  # without its iteration slot, a name is a prefix of Haiku's keys
+        key = b.name.replace("[:]", "")
+        owned = [v for k, v in params.items() if k == key or k.startswith(key + "/")]
+        assert b.param_count == sum(a.size for leaves in owned for a in leaves.values())
+    # a body of several modules is no one module's loop
+    with pytest.raises(js.SliceError, match=r"model/stack/attn\[0\]"):
+        js.slice(h, params, X[:, :4], end="model/stack/attn")
+
+
+def test_layer_stack_slices_equal_haiku_stacks_of_fewer_layers():
+    x = X[:, :4]
+    f = stack_fn(3)
+    params = f.init(jax.random.key(0), x)
+    after_0 = stack_fn(1, head=False).apply(rows(params, slice(0, 1)), x)
+    want_1 = lin_row(params, 1, after_0)
+    close(js.slice(f, params, x, end=f"{STACK}[1]")(x), want_1)
+    # from layer 1 on: Haiku's stack of the two last layers, then the head
+    close(
+        js.slice(f, params, x, start=f"{STACK}[1]")(after_0),
+        stack_fn(2).apply(rows(params, slice(1, 3)), after_0),
+    )
+    close(
+        js.slice(f, params, x, start=f"{STACK}[1]", end=f"{STACK}[2]")(after_0),
+        lin_row(params, 2, jnp.tanh(want_1)),
+    )
+    # every layer's `lin`, stacked, and the stack as a whole
+    h, outs = x, []
+    for k in range(3):
+        outs.append(lin_row(params, k, h))
+        h = jnp.tanh(outs[-1])
+    close(js.slice(f, params, x, end=f"{STACK}[:]")(x), jnp.stack(outs))
+    close(js.slice(f, params, x, end=STACK)(x), stack_fn(3, head=False).apply(params, x))
+    close(js.slice(f, params, x)(x), f.apply(params, x))
+
+
+def test_layer_stack_with_nested_module_names_slices_as_haiku():
+    x = X[:, :4]
+    h = hk.without_apply_rng(hk.transform(lambda x: StackedModel()(x)))
+    params = h.init(jax.random.key(0), x)
+    sub = js.slice(h, params, x, end="model/stack/mlp[1]/~/linear_0")
+    assert set(sub.params) == {
+        "model/stack/attn",
+        "model/stack/mlp/~/linear_0",
+        "model/stack/mlp/~/linear_1",
+    }
+    # the model's stack over its first layer, then layer 1 by hand with the body's names
+    first = hk.without_apply_rng(hk.transform(lambda x: StackedModel(1, head=False)(x)))
+    after_0 = first.apply(rows(params, slice(0, 1), "model/stack"), x)
+
+    def layer_1_upto_linear_0(h):
+        h = h + hk.Linear(4, name="attn")(h)
+        return hk.nets.MLP([4, 4], name="mlp").layers[0](h)
+
+    stacked = rows(params, 1, "model/stack").items()
+    own = {k.removeprefix("model/stack/"): v for k, v in stacked if k.startswith("model/stack/")}
+    want = hk.without_apply_rng(hk.transform(layer_1_upto_linear_0)).apply(own, after_0)
+    close(sub(x), want)
+    close(js.slice(h, params, x)(x), h.apply(params, x))
+
+
+def test_a_positional_python_bool_argument_is_fixed_by_the_trace():
+    def net(x, is_training):
+        h = hk.Linear(6, name="stem")(x)
+        h = hk.dropout(hk.next_rng_key(), 0.5, h) if is_training else h
+        return hk.Linear(2, name="head")(jax.nn.relu(h))
+
+    def upto_dropout(x, is_training):
+        h = hk.Linear(6, name="stem")(x)
+        return hk.dropout(hk.next_rng_key(), 0.5, h) if is_training else h
+
+    f = hk.transform(net)
+    params = f.init(jax.random.key(0), X, True)
+    key = jax.random.key(4)
+    h = jax.random.normal(jax.random.key(5), (3, 6))
+    for training in (True, False):
+        want = hk.transform(upto_dropout).apply(params, key, X, training)
+        sub = js.slice(f, params, X, training, end="head:input", rngs=key)
+        close(sub(X, rng=key), jax.nn.relu(want))
+        close(sub.apply(sub.params, key, X, training), jax.nn.relu(want))  # as Haiku's apply
+        head = js.slice(f, params, X, training, start="head", rngs=key)
+        close(head(h, rng=key), h @ params["head"]["w"] + params["head"]["b"])
+        full = js.slice(f, params, X, training, rngs=key)
+        close(full.apply(full.params, key, X, training), f.apply(params, key, X, training))
+        with pytest.raises(js.SliceError, match="fixed"):
+            full.apply(full.params, key, X, not training)

@@ -95,3 +95,15 @@ def test_one_layer_slice_equals_the_layer_called_by_keras(bert):
     mask = np.array([[1] * 3 + [0] * 5, [1] * 8], dtype="int32")  # not the traced mask
     one = js.slice(bb, x, start=LAYERS[0], end=LAYERS[0])
     close(one(h, padding_mask=mask), bb.get_layer(LAYERS[0])(h, padding_mask=mask))
+
+
+def test_a_tail_from_a_transformer_layer_predicts_from_a_list_or_a_dict(bert):
+    bb, x = bert
+    h = sub_model(bb, LAYERS[0])(x)
+    tail = js.slice(bb, x, start=LAYERS[1])
+    assert tail.input_names == [LAYERS[1], "padding_mask"]
+    want = bb(x)
+    for inputs in ([h, x["padding_mask"]], {LAYERS[1]: h, "padding_mask": x["padding_mask"]}):
+        got = tail.predict(inputs, verbose=0)
+        for k in want:
+            close(got[k], want[k])

@@ -189,3 +189,60 @@ def test_keras_slice_without_keras_names_the_install_command():
     assert run.returncode == 0, run.stderr[-2000:]
     assert "ImportError: js.KerasSlice is a keras.Model" in run.stdout
     assert "pip install keras" in run.stdout
+
+
+def test_a_slice_follows_the_layers_trainable_flags_as_a_functional_sub_model(keras):
+    model, twin = make_bn(keras), make_bn(keras)
+    sub = js.slice(model, X, end="b")
+    sub.predict(X, verbose=0)  # compiled before the flags change
+    oracle = keras.Model(twin.input, twin.get_layer("b").output)
+    frozen = [np.asarray(v.value) for v in model.get_layer("bn").variables]
+    for m in (model, twin):
+        m.get_layer("a").trainable = False
+        m.get_layer("bn").trainable = False  # a frozen BatchNormalization keeps its statistics
+    assert [id(v) for v in sub.trainable_variables] == [id(v) for v in model.get_layer("b").weights]
+    assert [v.path for v in sub.trainable_variables] == [v.path for v in oracle.trainable_variables]
+    for m in (sub, oracle):
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        # The sample's batch size (the slice's compiled program), then a new one.
+        m.fit(X, Y, epochs=2, batch_size=16, shuffle=False, verbose=0)
+        m.fit(X, Y, epochs=1, batch_size=4, shuffle=False, verbose=0)
+    for mine, theirs in zip(model.variables, twin.variables, strict=True):
+        np.testing.assert_allclose(mine.value, theirs.value, rtol=1e-5, atol=1e-5)
+    for before, v in zip(frozen, model.get_layer("bn").variables, strict=True):
+        np.testing.assert_array_equal(v.value, before)
+    np.testing.assert_allclose(
+        sub.predict(X[:5], verbose=0), oracle.predict(X[:5], verbose=0), atol=1e-5
+    )
+    # And back: trainable again (Keras asks for `compile` after a change of the flags).
+    for m in (model, twin):
+        m.get_layer("a").trainable = True
+        m.get_layer("bn").trainable = True
+    for m in (sub, oracle):
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        m.fit(X, Y, epochs=1, batch_size=8, shuffle=False, verbose=0)
+    assert not np.allclose(model.get_layer("bn").moving_mean.value, frozen[2])
+    for mine, theirs in zip(model.variables, twin.variables, strict=True):
+        np.testing.assert_allclose(mine.value, theirs.value, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_predict_or_fit_leaves_the_model_and_the_slice_usable(keras):
+    model = make(keras)
+    sub = js.slice(model, X, end="b")
+    sub.compile(optimizer="sgd", loss="mse")
+    sub.fit(X, Y, epochs=1, verbose=0)
+    want = np.asarray(model(X))
+    wrong = np.ones((4, 5), "float32")  # 5 features where the model takes 4
+    with pytest.raises(js.InputMismatchError):
+        sub.predict(wrong, verbose=0)
+    np.testing.assert_allclose(model(X), want, atol=1e-6)
+    with pytest.raises(js.InputMismatchError):
+        sub.fit(wrong, Y[:4], verbose=0)
+    with pytest.raises(js.InputMismatchError):
+        sub.train_on_batch(wrong, Y[:4])
+    np.testing.assert_allclose(model(X), want, atol=1e-6)
+    # A new slice, and the slice itself, still work (oracle: Keras's functional sub-model).
+    oracle = keras.Model(model.input, model.get_layer("b").output)
+    np.testing.assert_allclose(js.slice(model, X, end="b")(X), oracle(X), atol=1e-6)
+    sub.fit(X, Y, epochs=1, verbose=0)
+    np.testing.assert_allclose(sub.predict(X, verbose=0), oracle.predict(X, verbose=0), atol=1e-6)

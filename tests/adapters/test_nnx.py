@@ -299,6 +299,76 @@ def test_counters_kept_in_variables_are_written_back_like_the_model():
     assert int(model.calls[...]) == 2, "the root module's counter"
 
 
+# --------------------------------------------------------------------------- plain array attributes
+
+
+class Gained(nnx.Module):
+    def __init__(self, *, rngs):
+        self.lin = nnx.Linear(3, 3, rngs=rngs)
+        self.gain = jnp.linspace(0.5, 1.5, 3)  # a plain array, not an nnx.Variable
+
+    def __call__(self, x):
+        return self.lin(x) * self.gain
+
+
+class PlainArrays(nnx.Module):
+    """Plain JAX arrays held as attributes (part of `nnx.state`, no `nnx.Variable`): a
+    submodule's gain, the root's shift, and a step counter the root reassigns."""
+
+    def __init__(self, *, rngs):
+        self.stem = Gained(rngs=rngs)
+        self.shift = jnp.arange(3.0)
+        self.head = nnx.Linear(3, 2, rngs=rngs)
+        self.steps = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.steps = self.steps + 1
+        return self.head(jax.nn.relu(self.stem(x) + self.shift))
+
+
+def _plain_eager(model, x):
+    """``{boundary: output}`` of PlainArrays by eager calls of its submodules."""
+    lin = model.stem.lin(x)
+    stem = lin * model.stem.gain
+    return {"stem/lin": lin, "stem": stem, "head": model.head(jax.nn.relu(stem + model.shift))}
+
+
+H_PLAIN = rand(41, (4, 3))
+PLAIN_SLICES = {  # (start, end): the oracle, from eager calls of the model's submodules
+    (None, "stem/lin"): lambda m: _plain_eager(m, X_ZOO)["stem/lin"],
+    (None, "stem"): lambda m: _plain_eager(m, X_ZOO)["stem"],
+    (None, None): lambda m: _plain_eager(m, X_ZOO)["head"],
+    ("stem/lin:output", "stem"): lambda m: H_PLAIN * m.stem.gain,
+    ("stem:output", None): lambda m: m.head(jax.nn.relu(H_PLAIN + m.shift)),
+}
+
+
+@pytest.mark.parametrize("start, end", list(PLAIN_SLICES), ids=str)
+def test_plain_array_attributes_are_read_at_every_call_of_a_slice(start, end):
+    model = PlainArrays(rngs=nnx.Rngs(0))
+    oracle, x = PLAIN_SLICES[start, end], X_ZOO if start is None else H_PLAIN
+    sub = js.slice(model, X_ZOO, start=start, end=end)
+    jitted = nnx.jit(lambda s, v: s(v))
+    for scale in (1.0, -2.0):  # the arrays as made, then other arrays in their place
+        model.shift = jnp.arange(3.0) * scale
+        model.stem.gain = jnp.linspace(0.5, 1.5, 3) * scale
+        assert_close(sub(x), oracle(model))
+        assert_close(jitted(sub, x), oracle(model))
+
+
+def test_plain_array_reassigned_by_the_model_is_written_back():
+    model = PlainArrays(rngs=nnx.Rngs(0))
+    ref = nnx.clone(model)
+    full = js.slice(model, X_ZOO)
+    for _ in range(2):
+        assert_close(full(X_ZOO), ref(X_ZOO))
+    assert int(model.steps) == int(ref.steps) == 2
+    nnx.jit(lambda s, v: s(v))(full, X_ZOO)  # updates the counter the slice holds
+    ref(X_ZOO)
+    assert_close(full(X_ZOO), ref(X_ZOO))  # ... which the next call gives the model too
+    assert int(model.steps) == int(ref.steps) == 4
+
+
 # --------------------------------------------------------------------------- skips, repeated calls
 
 

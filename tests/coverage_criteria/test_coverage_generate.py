@@ -384,6 +384,24 @@ def test_criterion_by_object_name_or_class(mlp_out):
     assert repr(runs[0]).startswith(f"Generated({len(runs[0])} inputs")
 
 
+def test_an_equal_criterion_names_the_trackers(mlp_out):
+    """Criteria are values: a new ``NC(threshold=0.5)`` (or ``ValueSign(ratio=2.0)``)
+    names the tracker's equal criterion, and the inputs found hold by the reference;
+    one with other settings names none."""
+    setup, t = mlp_out
+    for equal, name in ((C.NC(threshold=0.5), "NC"), (C.ValueSign(ratio=RATIO), "ValueSign")):
+        assert equal == criterion(t, name) and equal is not criterion(t, name)
+        assert hash(equal) == hash(criterion(t, name))
+        fresh(setup, t)
+        g = C.generate(t, setup.seeds, equal, eps=1.0)
+        assert len(g) > 0
+        check_rows(setup, t, g, name, 1.0)
+    for other in (C.NC(0.3), C.ValueSign(ratio=3.0), C.ValueSign(capacity=8)):
+        assert other not in t.criteria
+        with pytest.raises(js.InvalidSpecError, match="has no criteria matching"):
+            C.generate(t, setup.seeds, other)
+
+
 def test_max_inputs_caps(mlp_out):
     setup, t = mlp_out
     fresh(setup, t)
@@ -445,7 +463,7 @@ def test_bad_arguments(mlp_out):
     bad = [
         dict(criterion="KMNC"),  # not in the tracker
         dict(criterion=C.TKNC),
-        dict(criterion=C.SignSign()),  # an equal object, not the tracker's
+        dict(criterion=C.SignSign(capacity=8)),  # not equal to the tracker's SignSign()
         dict(criterion="bogus"),
         dict(eps=0.0),
         dict(eps=-0.1),

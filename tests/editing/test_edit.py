@@ -656,3 +656,145 @@ def test_an_edited_model_in_train_mode_updates_statistics_as_linen_does():
     assert_trees_all_close(state, want_state)
     with pytest.raises(js.SliceError, match="batch_stats"):  # linen raises without mutable
         edited.apply(edited.variables, x, rngs=rngs)
+
+
+def test_an_edited_model_takes_a_positional_flag_as_the_model_does():
+    """``model(x, train)`` with `train` positional: edited and called as the model is."""
+    x = random_input(3, (6, 5))
+    variables = TrainNet().init(jax.random.key(0), x)
+    rngs = {"dropout": jax.random.key(1)}
+    want = TrainNet(double=True).apply(variables, x, False)
+    edited = js.edit(TrainNet(), variables, x, False).insert_after("fc", lambda h: 2 * h).build()
+    assert_trees_all_close(edited(x, False), want)
+    assert_trees_all_close(edited(x), want)
+    g = js.edit(TrainNet(), variables, x, True, rngs=rngs)
+    edited = g.insert_after("fc", lambda h: 2 * h).build()
+    got, state = edited.apply(edited.variables, x, True, rngs=rngs, mutable=["batch_stats"])
+    want, want_state = TrainNet(double=True).apply(
+        variables, x, True, rngs=rngs, mutable=["batch_stats"]
+    )
+    assert_trees_all_close(got, want)
+    # The statistics the edited model updated go back to the model; the rest is its own.
+    merged = edited.merge(variables, state)
+    assert_trees_all_close(merged["batch_stats"], want_state["batch_stats"])
+    for path, leaf in leaf_paths(merged["params"]).items():
+        assert leaf is leaf_paths(variables["params"])[path]
+
+
+def test_a_call_time_input_may_be_a_python_number(net, snap):
+    g = js.edit(net.model, net.variables, net.x)
+    edited = g.insert_after("block1", lambda h, s: h * s, inputs={"s": jnp.float32(1)}).build()
+    want = net_by_hand(net.variables["params"], net.x, after_block1=lambda h: h * 3)
+    for s in (3.0, np.float32(3.0), jnp.float32(3.0), 3.0):
+        assert_trees_all_close(edited(net.x, s=s), want)
+    with pytest.raises(js.SliceError, match="'s'"):  # another dtype is still named
+        edited(net.x, s=3)
+
+
+@pytest.mark.parametrize("name", ["a[0]", "a/b", "a@1", "a:b", "a\\b", "a]"])
+def test_node_names_that_would_read_as_paths_or_ports_are_refused(net, snap, name):
+    g = js.edit(net.model, net.variables, net.x)
+    with pytest.raises(js.InvalidSpecError, match="node name"):
+        g.insert_after("block1", lambda h: h, name=name)
+    assert names(g) == ["stem", "block1", "block1/fc", "ident", "block2", "block2/fc", "head"]
+
+
+def test_an_edited_model_lists_the_models_names(net):
+    """Method calls keep their method (``ae.encode``) and marks their scope path
+    (``grp/lin``) in the edited model, as `js.boundaries` lists them for the model."""
+
+    class AutoEncoder(nn.Module):
+        def setup(self):
+            self.enc, self.dec = nn.Dense(3), nn.Dense(5)
+
+        def encode(self, x):
+            return self.enc(x)
+
+        def __call__(self, x):
+            return self.dec(self.encode(x))
+
+    class Twice(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            ae = AutoEncoder(name="ae")
+            return ae.encode(x) * 2 + ae(x)[:, :3]
+
+    x = random_input(4, (2, 5))
+    model = Twice()
+    variables = model.init(jax.random.key(0), x)
+    listed = [b.name for b in js.boundaries(model, variables, x)]
+    g = js.edit(model, variables, x).insert_after("ae/dec", jnp.tanh, name="squash")
+    assert [n for n in names(g) if n != "squash"] == listed
+    p = variables["params"]["ae"]
+    encoded = dense(p["enc"], x)
+    want = encoded * 2 + jnp.tanh(dense(p["dec"], encoded))[:, :3]
+    assert_trees_all_close(g.slice(start="ae.encode@1", end=None)(x), want)
+
+    def f(w, x):
+        with jax.named_scope("grp"):
+            return js.mark("lin")(lambda h: h @ w)(x)
+
+    w = jnp.ones((5, 5))
+    listed = [b.name for b in js.boundaries(f, w, x)]
+    g = js.edit(f, w, x).insert_after("grp/lin", jnp.sin, name="s")
+    assert [n for n in names(g) if n != "s"] == listed
+    assert_trees_all_close(g.slice(end="grp/lin")(x), x @ w)
+
+
+# --------------------------------------------------------------------------- merging after edits
+
+
+class Residual(nn.Module):
+    """``h + Dense(h)``, the Dense starting at zero: an adapter that starts as a no-op."""
+
+    @nn.compact
+    def __call__(self, h):
+        return h + nn.Dense(h.shape[-1], kernel_init=nn.initializers.zeros, name="fc")(h)
+
+
+def test_trained_weights_go_back_to_the_model_and_the_nodes_apart(net, snap):
+    """Training the model and an adapter together, then `merge` (the model as trained,
+    without the adapter) and `nodes` (the adapter's variables): both equal the same sgd
+    steps taken by hand with `jax.grad` of the forward pass written with the adapter."""
+    x, params = net.x, net.variables["params"]
+    y = jnp.asarray(np.random.default_rng(5).normal(size=(4, 3)), jnp.float32)
+    g = js.edit(net.model, net.variables, x)
+    edited = g.insert_after("block1", Residual(), key=jax.random.key(2), name="adapter").build()
+
+    def by_hand(model_params, fc):
+        after = lambda h: h + dense(fc, h)  # noqa: E731
+        return jnp.mean((net_by_hand(model_params, x, after_block1=after) - y) ** 2)
+
+    def sgd(tree, grads):
+        return jax.tree.map(lambda w, d: w - 0.2 * d, tree, grads)
+
+    trained = edited.variables
+    want, want_fc = params, trained["params"]["adapter"]["fc"]
+    tx = optax.sgd(0.2)
+    state = tx.init(trained)
+    for _ in range(3):
+        grads = jax.grad(lambda v: jnp.mean((edited.apply(v, x) - y) ** 2))(trained)
+        updates, state = tx.update(grads, state)
+        trained = optax.apply_updates(trained, updates)
+        grad_model, grad_fc = jax.grad(by_hand, argnums=(0, 1))(want, want_fc)
+        want, want_fc = sgd(want, grad_model), sgd(want_fc, grad_fc)
+    merged = edited.merge(net.variables, trained)
+    assert sorted(merged["params"]) == sorted(params)
+    assert_trees_all_close(merged["params"], want, atol=1e-5, rtol=1e-5)
+    assert not np.allclose(merged["params"]["stem"]["kernel"], params["stem"]["kernel"])
+    # The model runs as trained, without the adapter.
+    assert_trees_all_close(net.model.apply(merged, x), net_by_hand(want, x), atol=1e-5)
+    # The adapter's variables apart, as its module takes them.
+    nodes = edited.nodes(trained)
+    assert list(nodes) == ["adapter"]
+    assert_trees_all_close(nodes["adapter"]["params"]["fc"], want_fc, atol=1e-5, rtol=1e-5)
+    h = backbone_by_hand(want, x)
+    assert_trees_all_close(Residual().apply(nodes["adapter"], h), h + dense(want_fc, h), atol=1e-5)
+    # A part (only the head and the adapter trained): the rest stays the model's own.
+    part = {"params": {k: trained["params"][k] for k in ("head", "adapter")}}
+    merged = edited.merge(net.variables, part)
+    assert merged["params"]["stem"]["kernel"] is params["stem"]["kernel"]
+    assert_trees_all_close(merged["params"]["head"], trained["params"]["head"])
+    assert_trees_all_close(edited.nodes(part)["adapter"], nodes["adapter"])
+    with pytest.raises(js.VariablesMismatchError):  # a model entry of another shape
+        edited.merge(net.variables, {"params": {"head": {"bias": jnp.ones(5)}}})

@@ -7,6 +7,8 @@ changing a module's output the way an edit does, and `jax.grad` of those.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,3 +142,106 @@ def test_an_edited_stateful_function_is_applied_as_haikus_apply():
         assert jax.tree.structure(new_state) == jax.tree.structure(want_state)
         for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(want_state), strict=True):
             close(a, b)
+
+
+def stacked_layer(h):
+    return jnp.tanh(hk.Linear(4, name="lin")(h))
+
+
+def stacked_net(x):
+    return hk.Linear(2, name="head")(hk.layer_stack(3)(stacked_layer)(x))
+
+
+def doubled(next_fun, args, kwargs, context):
+    """An interceptor doubling the output of each call of the module `lin`."""
+    out = next_fun(*args, **kwargs)
+    lin = context.module.module_name == "lin" and context.method_name == "__call__"
+    return 2.0 * out if lin else out
+
+
+def test_edits_at_the_layers_of_an_hk_layer_stack():
+    x = X[:, :4]
+    f = hk.transform(stacked_net)
+    params = f.init(jax.random.key(0), x)
+    name = "__layer_stack_no_per_layer/lin"  # as Haiku keys the stacked parameters
+
+    def intercepted(x):
+        with hk.intercept_methods(doubled):
+            return stacked_net(x)
+
+    # every layer: Haiku's own stack with each layer's `lin` doubled
+    every = js.edit(f, params, x).insert_after(f"{name}[:]", lambda h: 2.0 * h).build()
+    close(every(x), hk.transform(intercepted).apply(params, None, x))
+
+    # layer 1 only: Haiku's stacks of one layer given each row, the middle one doubled
+    one = js.edit(f, params, x).insert_after(f"{name}[1]", lambda h: 2.0 * h).build()
+    plain = hk.transform(lambda h: hk.layer_stack(1)(stacked_layer)(h))
+    h = x
+    for k in range(3):
+        row = {name: {p: v[k : k + 1] for p, v in params[name].items()}}
+        with hk.intercept_methods(doubled) if k == 1 else contextlib.nullcontext():
+            h = plain.apply(row, None, h)
+    close(one(x), h @ params["head"]["w"] + params["head"]["b"])
+
+
+def test_a_haiku_function_with_a_positional_flag_is_edited():
+    """``f(x, is_training)`` with the flag given positionally, as Haiku users call it."""
+
+    def bn_net(x, is_training):
+        h = hk.Linear(6, name="stem")(x)
+        h = hk.BatchNorm(True, True, 0.9, name="bn")(h, is_training)
+        return hk.Linear(2, name="head")(jax.nn.relu(h))
+
+    def doubled(x, is_training):
+        def double_bn(next_fun, args, kwargs, context):
+            out = next_fun(*args, **kwargs)
+            bn = context.module.module_name == "bn" and context.method_name == "__call__"
+            return 2 * out if bn else out
+
+        with hk.intercept_methods(double_bn):
+            return bn_net(x, is_training)
+
+    f = hk.transform_with_state(bn_net)
+    params, state = f.init(jax.random.key(0), X, True)
+    oracle = hk.transform_with_state(doubled)
+    for training in (True, False):
+        g = js.edit(f, params, state, X, training).insert_after("bn", lambda h: 2 * h)
+        out, new_state = g.build().apply(params, state, None, X, training)
+        want, want_state = oracle.apply(params, state, None, X, training)
+        close(out, want)
+        for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(want_state), strict=True):
+            close(a, b)
+
+
+def test_trained_weights_go_back_to_the_model_and_the_nodes_apart(f_and_params):
+    """Training an edited function, then `merge` (the model as trained, without the
+    adapter) and `nodes` (the adapter's parameters): both equal the same sgd steps taken
+    by hand on `hk.transform` of the network written with the adapter in place."""
+    f, params = f_and_params
+    edited = (
+        js.edit(f, params, X).insert_after("mid", adapter, key=jax.random.key(1), name="adapter")
+    ).build()
+    y = jnp.ones((5, 3))
+    by_hand = hk.transform(twin)
+
+    def step(apply, p):
+        grads = jax.grad(lambda p: jnp.mean((apply(p, None, X) - y) ** 2))(p)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, p, grads)
+
+    trained, want = edited.params, edited.params
+    for _ in range(3):
+        trained, want = step(edited.apply, trained), step(by_hand.apply, want)
+    merged = edited.merge(params, trained)
+    assert sorted(merged) == sorted(params)
+    nodes = edited.nodes(trained)
+    assert sorted(nodes) == ["adapter/down", "adapter/up"]
+    for module in merged:
+        close(merged[module]["w"], want[module]["w"])
+    for module in nodes:
+        close(nodes[module]["w"], want[module]["w"])
+    assert not np.allclose(merged["stem"]["w"], params["stem"]["w"])  # it did train
+    # The model runs as trained, without the adapter; `merge` of a part keeps the rest.
+    close(f.apply(merged, None, X), f.apply({k: want[k] for k in params}, None, X))
+    part = edited.merge(params, {"head": trained["head"], "adapter/up": trained["adapter/up"]})
+    assert part["stem"]["w"] is params["stem"]["w"]
+    close(part["head"]["w"], trained["head"]["w"])

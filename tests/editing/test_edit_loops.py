@@ -97,7 +97,7 @@ def test_an_edit_at_every_iteration_keeps_one_scan(scanned):
     edited = g.build()
     close(edited(X), twin(variables, mlp_edit=lambda k, m: 2 * m))
     assert scan_lengths(edited, X) == [N]
-    assert "double[:]" in [b.name for b in g.boundaries()]
+    assert "layers[:]/double" in [b.name for b in g.boundaries()]
     close(model.apply(variables, X), twin(variables))
     unchanged(variables, before)
 
@@ -136,7 +136,9 @@ def test_edits_at_every_iteration_and_at_one_combine(scanned):
     want = twin(variables, mlp_edit=lambda j, m: 2 * m + 1 if j == 3 else 2 * m)
     close(g.build()(X), want)
     names = [b.name for b in g.boundaries()]
-    assert "double[:]" in names and "plus" not in names  # one iteration's node: no boundary
+    assert "layers[:]/double" in names and not any(
+        "plus" in n for n in names
+    )  # one iteration's node: no boundary
 
 
 def test_a_module_inserted_at_every_iteration_gets_stacked_rows(scanned):
@@ -249,10 +251,15 @@ def test_call_time_inputs_at_a_top_level_boundary(scanned):
     ablate = js.edit(model, variables, X).insert_after("embed", lambda h, m: h * m, inputs=("m",))
     edited = ablate.build()
     mask = jnp.asarray([1, 0, 1, 1, 0, 1], jnp.float32)
-    p = variables["params"]
-    h = X @ p["embed"]["kernel"] + p["embed"]["bias"]
-    layers = js.slice(model, variables, X, start="layers", end=None)
-    close(edited(X, m=jnp.broadcast_to(mask, (2, D))), layers(h * mask))
+
+    def masked_embed(next_fun, args, kwargs, context):  # the same edit, by Flax's hook
+        out = next_fun(*args, **kwargs)
+        return out * mask if context.module.name == "embed" else out
+
+    with nn.intercept_methods(masked_embed):
+        want = model.apply(variables, X)
+    close(edited(X, m=jnp.broadcast_to(mask, (2, D))), want)
+    close(edited(X, m=jnp.ones((2, D))), twin(variables))
 
 
 def test_wrong_missing_or_extra_call_time_inputs_are_named(scanned):
@@ -406,3 +413,69 @@ def test_an_edit_at_every_iteration_equals_flax_intercept_methods(scanned):
     with nn.intercept_methods(sin_mlp):
         want = model.apply(variables, X)
     close(edited(X), want)
+
+
+# --------------------------------------------------------------------------- node names in loops
+
+
+def test_a_node_at_every_iteration_is_listed_under_the_loop(scanned):
+    """A node at ``layers[:]/mlp`` is ``layers[:]/half``: one iteration's value is
+    ``layers[2]/half``, every iteration's ``layers[:]/half``, as Flax records the twin's
+    mlp outputs (halved); the listed name also takes it out again."""
+    model, variables = scanned
+    g = js.edit(model, variables, X).insert_after("layers[:]/mlp", lambda m: m / 2, name="half")
+    listed = [b.name for b in g.boundaries()]
+    assert listed[listed.index("layers[:]/mlp") + 1] == "layers[:]/half"
+    assert not any(n.startswith("half") for n in listed)
+    p = dict(variables["params"])
+    stacked = p.pop("layers")
+    for k in range(N):
+        p[f"layers_{k}"] = jax.tree_util.tree_map(lambda a, k=k: a[k], stacked)
+    _, seen = Twin(mlp_edit=lambda k, m: m / 2).apply(
+        {"params": p}, X, capture_intermediates=True, mutable=["intermediates"]
+    )
+    mlps = [seen["intermediates"][f"layers_{k}"]["mlp"]["__call__"][0] / 2 for k in range(N)]
+    close(g.slice(end="layers[2]/half")(X), mlps[2])
+    close(g.slice(end="layers[:]/half")(X), jnp.stack(mlps))
+    g.remove("layers[:]/half")
+    close(g.build()(X), model.apply(variables, X))
+
+
+def test_a_node_in_a_loop_cannot_take_a_name_listed_there(scanned):
+    model, variables = scanned
+    g = js.edit(model, variables, X)
+    with pytest.raises(js.SliceError, match="attn"):  # it would be a second layers[:]/attn
+        g.insert_after("layers[:]/mlp", lambda m: m, name="attn")
+    g.insert_after("embed", lambda m: m, name="attn")  # at the top level: no clash
+
+
+def test_nodes_in_nested_plain_scans_are_listed_in_their_loop():
+    w = jax.random.normal(jax.random.key(4), (3, 2, 4, 4)) * 0.5
+    x = jnp.ones((2, 4))
+
+    def nested(p, x):
+        cell = js.mark("cell", lambda h, w: (jnp.tanh(h @ w), None))
+
+        @js.mark("outer")
+        def outer(h, ws):
+            return jax.lax.scan(cell, h, ws)[0]
+
+        return jax.lax.scan(lambda h, ws: (outer(h, ws), None), x, p)[0]
+
+    g = js.edit(nested, w, x).insert_after(
+        "outer[:]/cell[:]", lambda o: (2 * o[0], None), name="dbl"
+    )
+    g.insert_after("outer[:]", lambda h: h + 1, name="plus")
+    assert [b.name for b in g.boundaries()] == [
+        "outer[:]",
+        "outer[:]/cell[:]",
+        "outer[:]/dbl[:]",
+        "plus[:]",
+    ]
+    h = x
+    for i in range(2):
+        for j in range(2):
+            h = 2 * jnp.tanh(h @ w[i, j])
+        h = h + 1
+    want = 2 * jnp.tanh(h @ w[2, 0])  # iteration 0 of the inner loop in outer iteration 2
+    close(g.slice(end="outer[2]/dbl[0]")(x)[0], want)

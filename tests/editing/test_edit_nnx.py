@@ -163,6 +163,110 @@ def test_call_time_steering_on_an_nnx_model_and_export():
     close(exported.call(xs, v=vs), m.head(m.blocks[1](m.blocks[0](m.stem(xs))) + vs))
 
 
+# --------------------------------------------------------------------------- edits that break the model
+
+
+def eager_net(m, x, after_fc=lambda h: h, fc=None):
+    """Net by hand, with `after_fc` applied after (or `fc` in place of) blocks/0/fc."""
+    h = m.stem(x)
+    h = jax.nn.relu(after_fc((fc or m.blocks[0].fc)(h)))  # blocks/0
+    return m.head(m.drop(m.blocks[1](h)))
+
+
+BREAKING = {  # a node that returns what blocks/0's relu and blocks/1 cannot read
+    "three features": lambda: nnx.Linear(D, 3, rngs=nnx.Rngs(5)),
+    "another dtype": lambda: lambda h: h.astype(jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("node", list(BREAKING))
+def test_an_insert_that_breaks_the_model_is_refused_and_changes_nothing(node):
+    model = Net(nnx.Rngs(0))
+    g = js.edit(model, X)
+    names = [b.name for b in g.boundaries()]
+    with pytest.raises(js.SliceError, match="breaks the model"):
+        g.insert_after("blocks/0/fc", BREAKING[node](), name="bad")
+    with pytest.raises(js.SliceError, match="breaks the model"):
+        g.replace("blocks/0/fc", BREAKING[node]())
+    assert [b.name for b in g.boundaries()] == names
+    close(g.build()(X), eager_net(model, X))
+    adapter = Adapter(nnx.Rngs(1))  # a valid edit afterwards
+    edited = g.insert_after("blocks/0/fc", adapter, name="adapter").build()
+    close(edited(X), eager_net(model, X, after_fc=adapter))
+
+
+def test_a_replacement_of_the_right_shape_after_a_refused_one():
+    model = Net(nnx.Rngs(0))
+    g = js.edit(model, X)
+    with pytest.raises(js.SliceError, match="breaks the model"):
+        g.replace("blocks/0/fc", nnx.Linear(D, 3, rngs=nnx.Rngs(5)))
+    fc = nnx.Linear(D, D, rngs=nnx.Rngs(6))
+    close(g.replace("blocks/0/fc", fc).build()(X), eager_net(model, X, fc=fc))
+
+
+class Split(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, h):
+        return {"h": self.fc(h), "skip": h}  # one array in, a dict of two out
+
+
+class Forked(nnx.Module):
+    def __init__(self, rngs):
+        self.stem = nnx.Linear(4, D, rngs=rngs)
+        self.split = Split(rngs)
+        self.mid = nnx.Linear(D, D, rngs=rngs)
+        self.head = nnx.Linear(D, 3, rngs=rngs)
+
+    def __call__(self, x):
+        parts = self.split(self.stem(x))
+        return self.head(jax.nn.relu(self.mid(parts["h"])) + parts["skip"])
+
+
+def test_removing_a_call_whose_output_differs_from_its_input_is_refused():
+    model = Forked(nnx.Rngs(0))
+    g = js.edit(model, X)
+    with pytest.raises(js.SliceError, match=r"split[\s\S]*skip"):
+        g.remove("split")  # its output is a dict, its input one array
+    with pytest.raises(js.SliceError, match=rf"stem[\s\S]*5,\s*4\b[\s\S]*5,\s*{D}\b"):
+        g.remove("stem")  # (5, 4) in, (5, D) out
+    m = model
+    edited = g.remove("mid").build()  # the failed edits left the editor as it was
+    h = m.split(m.stem(X))
+    close(edited(X), m.head(jax.nn.relu(h["h"]) + h["skip"]))
+
+
+# --------------------------------------------------------------------------- plain array attributes
+
+
+class Shifted(nnx.Module):
+    def __init__(self, rngs):
+        self.stem = nnx.Linear(4, D, rngs=rngs)
+        self.shift = jnp.arange(D, dtype=jnp.float32)  # a plain array, not an nnx.Variable
+        self.head = nnx.Linear(D, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jax.nn.relu(self.stem(x) + self.shift))
+
+
+class Offset(nnx.Module):
+    def __init__(self):
+        self.offset = jnp.ones(D)  # a plain array, not an nnx.Variable
+
+    def __call__(self, h):
+        return h + self.offset
+
+
+def test_plain_array_attributes_of_the_model_and_a_node_are_read_at_every_call():
+    model, node = Shifted(nnx.Rngs(0)), Offset()
+    edited = js.edit(model, X).insert_after("stem", node, name="offset").build()
+    for scale in (1.0, -3.0):  # the arrays as made, then other arrays in their place
+        model.shift = jnp.arange(D, dtype=jnp.float32) * scale
+        node.offset = jnp.linspace(-1.0, 1.0, D) * scale
+        close(edited(X), model.head(jax.nn.relu(model.stem(X) + node.offset + model.shift)))
+
+
 # --------------------------------------------------------------------------- nnx.scan
 
 

@@ -38,14 +38,20 @@ depends on the start) and what it must return. Then:
    ``mutable`` a slice whose output needs an update raises, and with ``mutable=True``
    the model takes its no-update branch, as in ``model.apply``;
 5. threads: random valid slices, the boundary list and ``js.intermediates`` built and
-   called from 4 threads at once give bit-identical results to one thread.
+   called from 4 threads at once give bit-identical results to one thread;
+6. array fields and array modes: a model wrapped by a module whose NumPy or JAX array
+   fields scale its inputs and shift its outputs (constants of the trace), twice with
+   other values, then with a NumPy field changed in place, gives every boundary, the
+   whole model and random valid slices as the recording of the model on the scaled
+   inputs does, in both modes given as one-element arrays (``train=np.asarray(True)``).
 
 A few models run by default. The large run (hundreds of models) runs only when
 selected: ``pytest -m fuzz_large tests/fuzz/test_fuzz.py`` (or ``JAXSLICE_FUZZ_LARGE=1``);
 ``JAXSLICE_FUZZ_N`` sets how many seeds, ``JAXSLICE_FUZZ_SEED0`` the first seed,
 ``JAXSLICE_FUZZ_SEEDS=3,17`` replays chosen seeds and ``JAXSLICE_FUZZ_EXTRA`` picks plain
 (``0``), extended (``1``) or both (``both``, the default) models per seed; every tenth
-seed also runs the thread check. A failing model's seed is in the failure message;
+seed also runs the thread check, and every tenth from 5 on (returning an array or a
+tuple) the array-field check. A failing model's seed is in the failure message;
 ``describe(generate(seed, extra))`` prints its source-like description.
 """
 
@@ -55,6 +61,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import itertools
 import os
 import random
 import threading
@@ -71,7 +78,7 @@ import pytest
 
 import jaxslice as js
 
-from helpers.fuzzing import ancestors, flat_ends, large_fuzz_seeds, pair_verdict
+from helpers.fuzzing import ancestors, flat_ends, large_fuzz_seeds, pair_verdict, prefixed
 from helpers.models import Identity
 from helpers.oracles import (
     assert_trees_all_close,
@@ -1596,6 +1603,117 @@ def test_fuzz_jitted_wrapper_traced_before_and_changed_between_slices(seed):
     assert_trees_all_close(sub(*g.inputs), apply(variables, *g.inputs), atol=ATOL, rtol=RTOL)
 
 
+class _ArrayFields(nn.Module):
+    """A generated model between array fields, which its trace fixes as constants: each
+    input scaled by an array of `scales` (over its last axis), every output shifted by
+    `shift`, twice as much in train mode (a Python branch on the mode keyword)."""
+
+    net: nn.Module
+    scales: tuple[Any, ...]
+    shift: Any
+
+    @nn.compact
+    def __call__(self, *inputs, train=False):
+        xs = [x * jnp.asarray(s) for x, s in zip(inputs, self.scales, strict=True)]
+        shift = jnp.asarray(self.shift) * (2.0 if train else 1.0)
+        return jax.tree_util.tree_map(lambda o: o + shift, self.net(*xs))
+
+
+_TAGS = itertools.count()
+
+
+def _retagged(spec: GraphSpec, tag: Any) -> GraphSpec:
+    """`spec` with every (nested) block spec under a new tag."""
+    ops = tuple(
+        op if op.sub is None else dataclasses.replace(op, sub=_retagged(op.sub, tag))
+        for op in spec.ops
+    )
+    instances = tuple(
+        i if i.sub is None else dataclasses.replace(i, sub=_retagged(i.sub, tag))
+        for i in spec.instances
+    )
+    return dataclasses.replace(spec, ops=ops, instances=instances, tag=tag)
+
+
+def array_fields(g: Generated, net: nn.Module, rng: np.random.Generator, array: Any) -> Any:
+    """`net` (`g`'s model, see `wrapped_net`) wrapped with random array fields, NumPy or
+    JAX (`array`)."""
+    scales = tuple(array(rng.uniform(0.5, 1.5, x.shape[-1]).astype(np.float32)) for x in g.inputs)
+    return _ArrayFields(net, scales, array(np.float32(rng.normal())))
+
+
+def wrapped_net(g: Generated) -> nn.Module:
+    """`g`'s model under a tag of its own: an nn.jit block that jaxslice traced before at
+    the top level would be replayed with the names of that earlier trace, not `net/...`."""
+    return block_module(_retagged(g.spec, (g.seed, g.extra, "wrapped", next(_TAGS))))
+
+
+def check_array_fields(g: Generated, wrapper: _ArrayFields, flag: Any, stats: Stats) -> None:
+    """A wrapped generated model against Flax: every boundary from the wrapper's inputs,
+    the whole model and random valid slices inside it, each applied in both modes with
+    the mode given as a one-element array (`flag`). The oracle is the generator's
+    recording of the model run on the scaled inputs, and the wrapper's own `apply`."""
+    scaled = tuple(x * np.asarray(s) for x, s in zip(g.inputs, wrapper.scales, strict=True))
+    # The recording runs a model of its own (a new tag), so that no nn.jit block replays
+    # a trace of the same model recorded before instead of running its Python body.
+    spec = _retagged(g.spec, (g.seed, g.extra, "array fields", next(_TAGS)))
+    o = build_oracle(dataclasses.replace(g, spec=spec, model=block_module(spec), inputs=scaled))
+    variables = {col: {"net": tree} for col, tree in o.variables.items()}
+    target = (wrapper, variables, *g.inputs)
+    ends = {n: f"net/{n}" for n in o.names}
+    want = {n: o.captured[o.by_name[n].base][o.by_name[n].index] for n in o.names}
+    assert_trees_all_close(js.slice(*target, end=ends)(*g.inputs), want, atol=ATOL, rtol=RTOL)
+    sub = js.slice(*target)
+    for train in (False, True):
+        got = sub.apply(sub.variables, *g.inputs, train=flag(train))
+        want = wrapper.apply(variables, *g.inputs, train=train)
+        assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
+    stats.slices += 2
+    found = sample_pairs(o, random.Random(g.seed), {"valid": 3})["valid"]
+    for start, end in found:
+        if isinstance(start, list) and None in start:
+            continue  # the wrapper's inputs are not the model's: checked from None above
+        sub = js.slice(*target, start=prefixed(start, "net/"), end=prefixed(end, "net/"))
+        args, kwargs = o.start_inputs(start) if start is not None else (list(g.inputs), {})
+        for train in (False, True):
+            want = o.ends_value(end)
+            if end is None:
+                shift = np.asarray(wrapper.shift) * (2.0 if train else 1.0)
+                want = jax.tree_util.tree_map(lambda v, shift=shift: v + shift, want)
+            got = sub.apply(sub.variables, *args, train=flag(train), **kwargs)
+            assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
+            stats.slices += 1
+
+
+# Models whose outputs are arrays or tuples (a nested generated block returns no dict).
+@pytest.mark.parametrize(
+    ("seed", "array", "flag"),
+    [(0, np.asarray, jnp.asarray), (12, jnp.asarray, np.asarray), (24, np.asarray, np.bool_)],
+    ids=["numpy-fields", "jax-fields", "numpy-fields-np-bool"],
+)
+def test_fuzz_array_fields_and_array_modes(seed, array, flag):
+    """Two wrappers of one generated model that differ only in the values of their array
+    fields, sliced one after the other, each compute with their own arrays; a NumPy field
+    changed in place is seen by a new slice; modes given as arrays mean their values."""
+    g = generate(seed)
+    rng = np.random.default_rng(seed)
+    stats = Stats()
+    try:
+        net = wrapped_net(g)  # one model: the wrappers differ only in their arrays
+        for wrapper in (array_fields(g, net, rng, array), array_fields(g, net, rng, array)):
+            check_array_fields(g, wrapper, flag, stats)
+        if array is np.asarray:  # changed in place: the same object, other values
+            wrapper.scales[0][...] *= -1.5
+            variables = random_variables(net, *g.inputs, seed=g.seed)
+            variables = {col: {"net": tree} for col, tree in variables.items()}
+            got = js.slice(wrapper, variables, *g.inputs)(*g.inputs)
+            want = wrapper.apply(variables, *g.inputs)
+            assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
+    except Exception as e:
+        raise AssertionError(_explain(seed, e)) from e
+    assert stats.slices > 0
+
+
 @pytest.mark.parametrize(("seed", "extra"), THREAD_SEEDS)
 def test_fuzz_threads(seed, extra):
     """A generated model sliced, listed and called from several threads at once."""
@@ -1750,6 +1868,11 @@ def test_fuzz_large(request):
             o = check_model(seed, Budget(pairs=8, invalid=4, compositions=2), stats, extra)
             if seed % 10 == 0:  # every tenth seed from several threads too
                 check_threads(o, random.Random(seed), 3, stats)
+            wrappable = o.g.spec.out_form in ("single", "tuple") and not o.g.stateful
+            if seed % 10 == 5 and wrappable:  # array fields
+                rng = np.random.default_rng(seed)
+                wrapper = array_fields(o.g, wrapped_net(o.g), rng, np.asarray)
+                check_array_fields(o.g, wrapper, jnp.asarray, stats)
         except Exception as e:
             failures.append(
                 (

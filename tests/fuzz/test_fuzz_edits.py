@@ -10,6 +10,12 @@ twin by hand: while the twin computes, each edited value is passed through the s
 functions (`helpers.fuzz_scan.EDITS`, by value id; rows of a call-time input by
 iteration). The edited model's output, and its `jax.vmap` over the call-time inputs, must
 equal the twin's.
+
+Some models take a positional Python flag too (`True`/`False` or an int, at a random
+place among the inputs, ``model(x, train)``), which the trace fixes: the model (a
+subclass of the generated one, or a wrapper of the plain function) scales its first input
+by a factor the flag picks in Python, so a flag that became a tracer would fail. The
+oracle runs the twin on the input scaled by hand.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxslice as js
 
@@ -127,12 +134,74 @@ def _twin_output(o: fz.Oracle, edits: list[dict[str, Any]], call: dict[str, Any]
     return jax.tree_util.tree_map(lambda v: values[v], o.g.out)
 
 
-def _editor(m: Any) -> Any:
-    if m.kind == "linen":
-        return js.edit(m.model, m.variables, *m.inputs)
+# --------------------------------------------------------------------------- flags
+
+
+def _factor(flag: Any) -> float:
+    """What a positional flag scales the model's input by, decided in Python (a flag
+    that became a tracer fails here)."""
+    if isinstance(flag, bool):
+        return -1.0 if flag else 1.0
+    return {2: 2.0, 3: 0.5}[flag]
+
+
+def _unflagged(args: tuple[Any, ...], at: int) -> list[Any]:
+    """The generated model's inputs from a flagged call's: the flag out, the first input
+    scaled by it."""
+    inputs = list(args)
+    flag = inputs.pop(at)
+    inputs[0] = inputs[0] * _factor(flag)
+    return inputs
+
+
+class LFlagged(fz.LModel):
+    """The generated linen model, called with a positional flag at `at`."""
+
+    at: int = 0
+
+    def __call__(self, *args):
+        return super().__call__(*_unflagged(args, self.at))
+
+
+class NFlagged(fz.NModel):
+    """The generated NNX model, called with a positional flag at `at` (the same weights:
+    made from the same seed)."""
+
+    def __init__(self, spec: Any, rngs: nnx.Rngs, at: int):
+        super().__init__(spec, rngs)
+        self.at = at
+
+    def __call__(self, *args):
+        return super().__call__(*_unflagged(args, self.at))
+
+
+def draw_flag(kind: str, seed: int) -> tuple[Any, int] | None:
+    """``(flag, position among the inputs)`` for about half of the models, else None."""
+    rng = random.Random(seed * 45 + len(kind))
+    if rng.random() < 0.5:
+        return None
+    return rng.choice([True, False, 2, 3]), rng.randint(0, 1)
+
+
+def _editor(m: Any, flag: tuple[Any, int] | None) -> tuple[Any, list[Any]]:
+    """The editor of the model (taking `flag`, where drawn) and the inputs it is called
+    with."""
+    if flag is None:
+        inputs = list(m.inputs)
+        target = m.fn if m.kind == "plain" else m.model
+    else:
+        value, at = flag
+        at = min(at, len(m.inputs))
+        inputs = [*m.inputs[:at], value, *m.inputs[at:]]
+        if m.kind == "linen":
+            target = LFlagged(m.spec, at=at)
+        elif m.kind == "nnx":
+            target = NFlagged(m.spec, nnx.Rngs(m.spec.seed), at)
+        else:
+            target = lambda p, *args: m.fn(p, *_unflagged(args, at))  # noqa: E731
     if m.kind == "nnx":
-        return js.edit(m.model, *m.inputs)
-    return js.edit(m.fn, m.variables, *m.inputs)
+        return js.edit(target, *inputs), inputs
+    return js.edit(target, m.variables, *inputs), inputs
 
 
 def check_edits(kind: str, seed: int) -> None:
@@ -140,7 +209,10 @@ def check_edits(kind: str, seed: int) -> None:
     o = fz.Oracle(m)
     rng = random.Random(seed * 31 + len(kind))
     edits = _draw(o, rng)
-    g = _editor(m)
+    flag = draw_flag(kind, seed)
+    g, args = _editor(m, flag)
+    if flag is not None:  # the twin runs on the input scaled as the flag says
+        m.inputs = [m.inputs[0] * _factor(flag[0]), *m.inputs[1:]]
     for e in edits:
         inputs = (f"v{e['node']}",) if e["call_time"] else ()
 
@@ -163,12 +235,20 @@ def check_edits(kind: str, seed: int) -> None:
     live = [e for e in edits if not (e["removed"] or e["superseded"])]
     call = _call_inputs(o, live, np.random.default_rng(seed))
     edited = g.build()
-    fz.close(edited(*m.inputs, **call), _twin_output(o, edits, call), f"edits {edits}")
+    what = f"edits {edits}, flag {flag}"
+    fz.close(edited(*args, **call), _twin_output(o, edits, call), what)
     if call:  # a sweep over two sets of call-time inputs, one vmapped call
         both = jax.tree_util.tree_map(lambda a: jnp.stack([a, 2 * a]), call)
-        swept = jax.vmap(lambda c: edited(*m.inputs, **c))(both)
+        swept = jax.vmap(lambda c: edited(*args, **c))(both)
         second = _twin_output(o, edits, jax.tree_util.tree_map(lambda a: 2 * a, call))
         fz.close(jax.tree_util.tree_map(lambda a: a[1], swept), second, f"vmapped {edits}")
+
+
+def test_default_seeds_take_positional_flags():
+    """Every kind of model is edited with a positional bool and with an int among the
+    default seeds."""
+    flags = {(kind, type(f[0])) for kind, seed in fz.SMALL if (f := draw_flag(kind, seed))}
+    assert flags >= {(k, t) for k in ("linen", "nnx", "plain") for t in (bool, int)}, flags
 
 
 @pytest.mark.parametrize(("kind", "seed"), fz.SMALL)

@@ -94,7 +94,6 @@ from helpers.fuzz_scan import (
     D,
     Stats,
     _explain,
-    _stack,
     check_model,
     close,
     gen_linen,
@@ -258,6 +257,35 @@ def _kmodel(**kw: Any) -> tuple[nn.Module, Any, tuple[Any, ...]]:
     return model, random_variables(model, *inputs, seed=0), inputs
 
 
+def _k_by_hand(
+    v: Any,
+    x: Any,
+    xs: Any = None,
+    extras: tuple[str, ...] = (),
+    given: dict[int, Any] | None = None,
+) -> dict[str, Any]:
+    """`_KModel` written out by hand in JAX with its variables (the oracle of the
+    tests below): ``{"h": [carry into iteration k], "attn": [...], "out": [...], "mask":
+    m, "y": output}``; `given` replaces the carry into iteration k, as a slice starting
+    at ``layers[k]`` is given it."""
+    p = v["params"]
+    dense = lambda q, h: h @ q["kernel"] + q["bias"]  # noqa: E731
+    mask = (x[:, :1] > 0).astype(jnp.float32)
+    h = dense(p["embed"], x)
+    found: dict[str, Any] = {"h": [], "attn": [], "out": [], "mask": mask}
+    for k in range(3):
+        h = (given or {}).get(k, h)
+        found["h"].append(h)
+        row = jax.tree_util.tree_map(lambda a, k=k: a[k], p["layers"]["attn"])
+        found["attn"].append(dense(row, h))
+        h = jnp.tanh(found["attn"][-1])
+        for e in extras:
+            h = h * mask if e == "m" else h + xs[k]
+        found["out"].append(h)
+    found["y"] = dense(p["head"], h)
+    return found
+
+
 def test_lifted_name_with_an_iteration_is_a_clear_error():
     """``layers`` (the whole lifted loop) and ``layers[1]`` in one slice are refused with
     a SliceError that names both (it was an UnknownBoundaryError "No boundary named
@@ -328,7 +356,7 @@ def test_known_bug_start_inside_fori_loop():
 def test_stacked_input_leaves_loop_constants_out():
     """A marked ``step(h, w)`` with a loop-constant parameter `w`: ``step[k]:input`` is
     `h` alone (parameters are not inputs), and ``step[:]:input`` is the stack of those
-    (it was ``(h stacked, w stacked 3 times)``)."""
+    (it was ``(h stacked, w stacked 3 times)``). Oracle: the loop written out."""
     w = jnp.asarray(np.random.default_rng(2).normal(size=(D, D)) / 2, jnp.float32)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(B, D)), jnp.float32)
 
@@ -336,10 +364,15 @@ def test_stacked_input_leaves_loop_constants_out():
         step = js.mark("step", lambda h, w: jnp.tanh(h @ w))
         return jax.lax.scan(lambda h, _: (step(h, p), None), x, None, length=3)[0]
 
+    hs = [x]
+    for _ in range(2):
+        hs.append(jnp.tanh(hs[-1] @ w))
     got = js.intermediates(
         fn, w, x, names=["step[:]:input", "step[0]:input", "step[1]:input", "step[2]:input"]
     )
-    close(got["step[:]:input"], jnp.stack([got[f"step[{k}]:input"] for k in range(3)]))
+    close(got["step[:]:input"], jnp.stack(hs))
+    for k in range(3):
+        close(got[f"step[{k}]:input"], hs[k])
 
 
 def test_lifted_ports_under_remat():
@@ -347,39 +380,43 @@ def test_lifted_ports_under_remat():
     ports are those without nn.remat: ``layers:input`` is ``(h, m)`` and
     ``start="layers"`` takes ``(h, m)`` (they were ``(m, h)``: same-shape arguments
     were swapped silently), and ``end="layers"`` is ``(carry, None)`` (it was the carry
-    alone)."""
+    alone). Oracle: the model written out, and its own ``apply``."""
     model, v, inputs = _kmodel(extras=("m",), remat=True)
-    plain, _, _ = _kmodel(extras=("m",))
-    want_in = js.slice(plain, v, *inputs, end="layers:input")(*inputs)  # (h, m)
+    want = _k_by_hand(v, *inputs, extras=("m",))
+    want_in = (want["h"][0], want["mask"])  # (h, m)
     close(js.slice(model, v, *inputs, end="layers:input")(*inputs), want_in)
     close(js.slice(model, v, *inputs, start="layers", end=None)(*want_in), model.apply(v, *inputs))
-    close(
-        js.slice(model, v, *inputs, end="layers")(*inputs),
-        js.slice(plain, v, *inputs, end="layers")(*inputs),
-    )
+    close(model.apply(v, *inputs), want["y"])
+    close(js.slice(model, v, *inputs, end="layers")(*inputs), (want["out"][-1], None))
 
 
 def test_stacked_input_of_a_broadcast_argument():
     """``block(h, m)`` with ``in_axes=(nn.broadcast,)``: ``layers[k]:input`` is
     ``(h_k, m)``, so ``layers[:]:input`` is ``(h stacked, m stacked)``, every
     iteration's value on a new leading axis (only parameters, which are not inputs at
-    all, stay unstacked)."""
+    all, stay unstacked). Oracle: the model written out."""
     model, v, inputs = _kmodel(extras=("m",))
+    want = _k_by_hand(v, *inputs, extras=("m",))
     names = ["layers[:]:input"] + [f"layers[{k}]:input" for k in range(3)]
     got = js.intermediates(model, v, *inputs, names=names)
-    close(got["layers[:]:input"], _stack([got[f"layers[{k}]:input"] for k in range(3)]))
+    close(got["layers[:]:input"], (jnp.stack(want["h"]), jnp.stack([want["mask"]] * 3)))
+    for k in range(3):
+        close(got[f"layers[{k}]:input"], (want["h"][k], want["mask"]))
 
 
 def test_start_values_win_in_a_stacked_end():
     """With the model's inputs as a second start, ``end="layers[:]/attn"`` computes from
     the given carry of ``layers[1]``, as the same three ends as a list do (it ignored
-    the given value and returned what the model's inputs give)."""
+    the given value and returned what the model's inputs give). Oracle: the model
+    written out, with the given carry in iteration 1."""
     model, v, inputs = _kmodel(ys=True)
-    x1 = js.intermediates(model, v, *inputs, names=["layers[1]:input"])["layers[1]:input"]
+    x1 = _k_by_hand(v, *inputs)["h"][1]
+    given = _k_by_hand(v, *inputs, given={1: x1 + 1.0})["attn"]
     start = ["layers[1]", None]
     listed = js.slice(model, v, *inputs, start=start, end=[f"layers[{k}]/attn" for k in range(3)])
     stacked = js.slice(model, v, *inputs, start=start, end="layers[:]/attn")
-    close(stacked(x1 + 1.0, *inputs), jnp.stack(listed(x1 + 1.0, *inputs)))
+    close(stacked(x1 + 1.0, *inputs), jnp.stack(given))
+    close(listed(x1 + 1.0, *inputs), tuple(given))
 
 
 def test_a_start_the_loop_computes_with_values_it_needs_is_refused():
@@ -396,12 +433,13 @@ def test_a_start_the_loop_computes_with_values_it_needs_is_refused():
 def test_new_batch_with_an_iterations_first_input():
     """A model with a scanned input ``xs[iterations, batch, ...]``: a slice with a start
     (even ``start="head"``, outside the scan) takes a new batch size (the retrace gave
-    xs the new size on its leading axis, and failed)."""
+    xs the new size on its leading axis, and failed). Oracle: ``head`` by hand."""
     model, v, inputs = _kmodel(extras=("r",))
     sub = js.slice(model, v, *inputs, start="head", end=None)
-    h = js.intermediates(model, v, *inputs, names=["head:input"])["head:input"]
-    out = sub(jnp.concatenate([h, h]))
-    close(out, jnp.concatenate([sub(h), sub(h)]))
+    h = _k_by_hand(v, *inputs, extras=("r",))["out"][-1]
+    h2 = jnp.concatenate([h, 2 * h])
+    head = v["params"]["head"]
+    close(sub(h2), h2 @ head["kernel"] + head["bias"])
 
 
 def test_new_batch_when_iterations_and_batch_have_one_size():

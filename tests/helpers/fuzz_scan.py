@@ -1073,8 +1073,9 @@ class Oracle:
         return self.value_of(end, values)
 
     def taken(self, start: Any) -> list[list[str]]:
-        """The values each start item takes (derived ones are recomputed when the model's
-        inputs are a start too)."""
+        """The values each start item takes (with the model's inputs a start too, the
+        other starts' inputs that are model inputs come from them, and derived ones are
+        recomputed: see `beside_inputs`)."""
         items = _items(start)
         with_inputs = None in items and len(items) > 1
         out = []
@@ -1084,9 +1085,20 @@ class Oracle:
                 continue
             leaves = self.leaves(it, "input")
             if with_inputs and split_port(it)[1] != "output":
-                leaves = [v for v in leaves if v not in self.g.derived]
+                leaves = self.beside_inputs(leaves)
             out.append(leaves)
         return out
+
+    def beside_inputs(self, leaves: list[str]) -> list[str]:
+        """What a named start's input `leaves` give beside the model's inputs: neither
+        model inputs nor values derived from them; failing that, the derived ones (a start
+        is never dropped whole); failing that, all of them (given twice, refused)."""
+        inputs = set(self.g.inputs)
+        for skipped in (inputs | self.g.derived, inputs):
+            kept = [v for v in leaves if v not in skipped]
+            if kept:
+                return kept
+        return leaves
 
     def start_args(self, start: Any, values: dict[str, Any] | None = None) -> list[Any]:
         """What a slice starting at `start` is called with."""
@@ -1106,7 +1118,8 @@ class Oracle:
             if side == "output":
                 args.append(jax.tree_util.tree_map(lambda v: values[v], c.out))
             else:
-                args += [values[v] for v in c.ins if not (with_inputs and v in self.g.derived)]
+                kept = set(self.beside_inputs(list(c.ins))) if with_inputs else set(c.ins)
+                args += [values[v] for v in c.ins if v in kept]
         return args
 
     def overrides(self, start: Any, values: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -1586,8 +1599,9 @@ def check_composition(o: Oracle, rng: random.Random, budget: Budget, stats: Stat
         if side == "input":
             mid = list(mid) if len(o.g.calls[o.concrete(a)[0][0]].ins) > 1 else [mid]
             ins = o.g.calls[o.concrete(a)[0][0]].ins
-            if isinstance(start, list):  # the model's inputs recompute derived values
-                mid = [v for v, node in zip(mid, ins, strict=True) if node not in o.g.derived]
+            if isinstance(start, list):  # beside the model's inputs (`beside_inputs`)
+                kept = set(o.beside_inputs(list(ins)))
+                mid = [v for v, node in zip(mid, ins, strict=True) if node in kept]
         else:
             mid = [mid]
         if isinstance(start, list):

@@ -1,5 +1,6 @@
 """What the differential fuzzers share: the seeds of a large run, the verdict on a
-(start, end) pair and the ancestors of nodes in a generator's DAG."""
+(start, end) pair, the ancestors of nodes in a generator's DAG and names under a
+wrapper's prefix."""
 
 from __future__ import annotations
 
@@ -29,6 +30,17 @@ def flat_ends(end: Any) -> list[Any]:
     if isinstance(end, dict):
         return list(end.values())
     return [end]
+
+
+def prefixed(spec: Any, prefix: str) -> Any:
+    """A `start` or `end` (a name, None, a list or a dict of them) with every name under
+    `prefix` (``"dense3" -> "net/dense3"``), for a generated model wrapped in another
+    module; None (the model's inputs or output) stays None."""
+    if isinstance(spec, list):
+        return [prefixed(s, prefix) for s in spec]
+    if isinstance(spec, dict):
+        return {k: prefixed(s, prefix) for k, s in spec.items()}
+    return None if spec is None else f"{prefix}{spec}"
 
 
 def large_fuzz_seeds(config: Any, default_count: int) -> list[int]:

@@ -148,6 +148,54 @@ def test_plain_function_closing_over_a_changed_setting():
     close(js.slice(fn, params, X)(X), fn(params, X))
 
 
+# ------------------------------------------------------------------ arrays the model holds
+#
+# A linen module's array fields, arrays a function closes over and NumPy attributes are
+# constants of the traced program: keyed by their contents. (Arrays that are a model's
+# variables, as in NNX and Equinox, are inputs of the trace: see test_trace_cache.py.)
+
+
+class Masked(nn.Module):
+    mask: object  # a NumPy or JAX array
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(3, name="body")(x) * jnp.asarray(self.mask)
+        return nn.Dense(2, name="head")(h)
+
+
+@pytest.mark.parametrize("array", [np.asarray, jnp.asarray], ids=["numpy", "jax"])
+def test_linen_array_fields_of_other_values_trace_apart(array):
+    first = Masked(array(np.array([1.0, 0.0, 1.0], np.float32)))
+    variables = first.init(jax.random.key(0), X)
+    second = Masked(array(np.array([5.0, 2.0, -3.0], np.float32)))
+    close(js.slice(first, variables, X)(X), first.apply(variables, X))
+    close(js.slice(second, variables, X)(X), second.apply(variables, X))
+    got = js.intermediates(second, variables, X, names=["head"])["head"]
+    close(got, second.apply(variables, X))
+
+
+def test_linen_numpy_field_changed_in_place():
+    model = Masked(np.array([1.0, 0.0, 1.0], np.float32))
+    variables = model.init(jax.random.key(0), X)
+    js.slice(model, variables, X)(X)
+    model.mask[:] = [-2.0, 3.0, 0.5]
+    close(js.slice(model, variables, X)(X), model.apply(variables, X))
+    close(js.intermediates(model, variables, X, names=["head"])["head"], model.apply(variables, X))
+
+
+def test_plain_function_closing_over_an_array_rebound():
+    table = jnp.ones(3)
+
+    def fn(params, x):
+        return jnp.tanh(x @ params["w"]) * table
+
+    params = {"w": jnp.ones((3, 3)) * 0.3}
+    js.slice(fn, params, X)(X)
+    table = jnp.asarray([2.0, -1.0, 0.5])
+    close(js.slice(fn, params, X)(X), fn(params, X))
+
+
 # ---------------------------------------------------------------- fixed arguments and types
 
 

@@ -168,6 +168,62 @@ def test_unused_start_is_disconnected(resnet):
     assert "head" in str(info.value)
 
 
+def test_unused_model_inputs_start_reads_as_the_start_given(resnet):
+    with pytest.raises(js.DisconnectedError) as info:
+        _slice(resnet, start=[None, "head"], end="head")
+    assert str(info.value).startswith(
+        "The start None (the model's inputs) is not used by 'head:output'; remove it"
+    )
+
+
+def test_missing_value_for_an_extra_output_suggests_an_end_or_a_mode():
+    """A model returning ``(out, cache)``, the cache holding every layer's key: from
+    ``l2`` the whole output needs ``l1``'s key, and the message also offers ending at
+    the output wanted or slicing in a mode without the cache. Following it works (the
+    oracle: Flax's own apply and recorded intermediates)."""
+    import flax.linen as nn
+
+    from helpers.oracles import captured
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="proj")(x), nn.Dense(3, name="key")(x)
+
+    class Cached(nn.Module):
+        @nn.compact
+        def __call__(self, x, return_cache=True):
+            h, k1 = Layer(name="l1")(x)
+            h, k2 = Layer(name="l2")(h)
+            out = nn.Dense(2, name="head")(h)
+            return (out, (k1, k2)) if return_cache else out
+
+    model, x = Cached(), jnp.ones((2, 4))
+    variables = model.init(jax.random.key(0), x)
+    with pytest.raises(js.MissingInputError) as info:
+        js.slice(model, variables, x, start="l2")
+    text = str(info.value)
+    assert "end the slice at the part you need instead, for example end=['head', 'l2/key']" in text
+    assert "`return_cache=False`" in text
+    h = captured(model, variables, x)["l1"][0][0]
+    want = model.apply(variables, x, return_cache=False)
+    assert jnp.allclose(js.slice(model, variables, x, start="l2", end="head")(h), want, atol=1e-6)
+    sub = js.slice(model, variables, x, start="l2", return_cache=False)
+    assert jnp.allclose(sub(h), want, atol=1e-6)
+
+
+def test_no_end_advice_when_the_whole_output_needs_the_value():
+    l1, l2 = js.mark("l1", lambda p, x: x @ p), js.mark("l2", lambda p, x: x @ p)
+
+    def model(p, x):  # one output, which reads l1's output through a residual
+        h = l1(p, x)
+        return l2(p, jnp.tanh(h)) + h
+
+    with pytest.raises(js.MissingInputError) as info:
+        js.slice(model, jnp.eye(3), jnp.ones((2, 3)), start="l2", end=None)
+    assert "Only part of the model's output" not in str(info.value)
+
+
 # --------------------------------------------------------------------------- bad inputs at call time
 
 
@@ -204,6 +260,31 @@ def test_full_variables_passed_to_apply(resnet):
         sub.apply(resnet.variables, feat)
     assert "not used by the slice" in str(info.value)
     assert "sub.variables" in str(info.value)
+
+
+def test_a_slice_given_its_variables_as_a_target_says_how_to_call_it(resnet):
+    sub = _slice(resnet, start="head")
+    (feat,) = resnet.args_of("head")
+    with pytest.raises(js.InputMismatchError) as info:
+        js.intermediates(sub, sub.variables, feat)
+    assert "pass its `apply`: js.intermediates(sub.apply, variables, x)" in str(info.value)
+    assert list(js.intermediates(sub.apply, sub.variables, feat)) == ["head"]
+
+
+# --------------------------------------------------------------------------- warnings
+
+
+def test_a_one_argument_closure_warns_that_its_argument_is_taken_as_parameters():
+    import flax.linen as nn
+
+    model, x = nn.Dense(3), jnp.ones((2, 4))
+    variables = model.init(jax.random.key(0), x)
+    with pytest.warns(js.SingleArgumentWarning, match="takes one argument") as record:
+        js.boundaries(lambda t: model.apply(variables, t), x)
+    assert record[0].filename == __file__  # points at the user's call
+    assert "js.slice(lambda params, t: model(t), None, tokens)" in str(record[0].message)
+    js.boundaries(lambda p, t: model.apply(p, t), variables, x)  # no warning (errors here)
+    js.boundaries(lambda p, t=None: model.apply(p, x), variables)  # takes two: no warning
 
 
 # --------------------------------------------------------------------------- bad targets and specs
@@ -249,6 +330,36 @@ def test_invalid_spec_message_shows_the_value(resnet):
 def test_mark_needs_a_non_empty_name(name):
     with pytest.raises(js.InvalidSpecError):
         js.mark(name)
+
+
+def _positions_model(p, x, pos):
+    """Two blocks passed the model's own `pos` input, after an embedding of `x`."""
+    e = js.mark("embed", lambda x: x * p)(x)
+    a = js.mark("a", lambda h, pos: jnp.tanh(h) * pos)(e, pos)
+    b = js.mark("b", lambda h, pos: jnp.sin(h) + pos)(e * 2.0, pos)
+    return a + b
+
+
+def test_a_model_input_taken_by_two_starts_gets_a_fix_that_works():
+    p, x, pos = jnp.float32(0.5), jnp.linspace(-1.0, 1.0, 4), jnp.arange(4.0)
+    with pytest.raises(js.InvalidSpecError) as info:
+        js.slice(_positions_model, p, x, pos, start=["a", "b"])
+    text = str(info.value)
+    assert "an input of the model" in text and "the same array" in text
+    assert "Add None to `start`" in text and "start=['a', 'b', None]" in text
+    sub = js.slice(_positions_model, p, x, pos, start=["a", "b", None])
+    e = x * p
+    assert jnp.allclose(sub(e, e * 2.0, x, pos), _positions_model(p, x, pos))
+
+
+def test_a_start_made_only_of_model_inputs_beside_none_is_refused_with_advice():
+    p, x, pos = jnp.float32(0.5), jnp.linspace(-1.0, 1.0, 4), jnp.arange(4.0)
+    with pytest.raises(js.InvalidSpecError) as info:
+        js.slice(_positions_model, p, x, pos, start=["embed", None])
+    text = str(info.value)
+    assert "'embed' takes nothing but the model's own inputs" in text
+    assert "Leave 'embed' out: start=None." in text
+    assert "container" not in text.split("(one would be silently ignored).")[1]
 
 
 # --------------------------------------------------------------------------- loops

@@ -98,6 +98,77 @@ def test_an_nnx_model_changed_between_calls_is_traced_again():
     assert not np.allclose(out, model.body(x))  # dropout ran
 
 
+class Table(nn.Module):
+    """A linen module holding an array field (a constant of its trace); counts traces."""
+
+    table: object
+
+    @nn.compact
+    def __call__(self, x):
+        TRACES["n"] += 1
+        return nn.Dense(2, name="head")(x * jnp.asarray(self.table))
+
+
+@pytest.mark.parametrize("array", [np.asarray, jnp.asarray], ids=["numpy", "jax"])
+def test_a_model_holding_an_array_field_is_traced_once(array):
+    """An array field is keyed by its contents, and the same model sliced again (for a
+    JAX array, also an equal model with an equal array) traces nothing."""
+    js.clear_caches()
+    x = jnp.ones((3, 4))
+    model = Table(array(np.linspace(-1.0, 1.0, 4, dtype=np.float32)))
+    variables = model.init(jax.random.key(0), x)
+    js.slice(model, variables, x)
+    sub, n = _traces(lambda: js.slice(model, variables, x, end="head"))
+    assert n == 0
+    np.testing.assert_allclose(sub(x), model.apply(variables, x), rtol=1e-6)
+    if array is jnp.asarray:
+        twin = Table(jnp.asarray(np.linspace(-1.0, 1.0, 4, dtype=np.float32)))
+        _, n = _traces(lambda: js.slice(twin, variables, x))
+        assert n == 0
+
+
+def test_arrays_an_nnx_or_equinox_model_holds_are_inputs_keyed_by_shape():
+    """NNX variables (with a plain array attribute and random keys among them) and an
+    Equinox module's array leaves are inputs of the trace: a model with other values is
+    not traced again, and computes with its own values."""
+    eqx = pytest.importorskip("equinox")
+    counts = {"n": 0}
+
+    class NNXNet(nnx.Module):
+        def __init__(self, seed):
+            rngs = nnx.Rngs(seed)
+            self.body = nnx.Linear(4, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.scale = jax.random.normal(jax.random.key(seed), (4,))
+            self.eval()  # the dropout keeps its random keys but draws none
+
+        def __call__(self, x):
+            counts["n"] += 1
+            return self.drop(self.body(x)) * self.scale
+
+    class EqxNet(eqx.Module):
+        body: eqx.nn.Linear
+        scale: jax.Array
+
+        def __call__(self, x):
+            counts["n"] += 1
+            return self.body(x) * self.scale
+
+    def eqx_net(seed):
+        key = jax.random.key(seed)
+        return EqxNet(eqx.nn.Linear(4, 4, key=key), jax.random.normal(key, (4,)))
+
+    js.clear_caches()
+    x = jnp.ones((3, 4))
+    for make, sample in ((NNXNet, x), (eqx_net, x[0])):
+        js.slice(make(0), sample)
+        other = make(1)
+        before = counts["n"]
+        sub = js.slice(other, sample)
+        assert counts["n"] == before
+        np.testing.assert_allclose(sub(sample), other(sample), rtol=1e-6)
+
+
 class Chain(nn.Module):
     """Three layers; counts its traces like `Counted`."""
 

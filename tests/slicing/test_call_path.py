@@ -173,6 +173,22 @@ def test_outputs_and_arguments_that_are_not_arrays_behave_as_before():
         sub("x")
 
 
+def test_a_python_number_for_an_array_input_and_a_flag_before_the_arrays():
+    """A slice without a start takes a Python number where it was traced with an array
+    (as `jax.jit` does), and a call with the model's flag in front of the arrays keeps
+    it in its place when a new shape is traced."""
+
+    def f(params, flag, x, s):
+        return x @ params["w"] * s * (2.0 if flag else 1.0)
+
+    params = {"w": jnp.arange(6.0).reshape(3, 2)}
+    sub = js.slice(f, params, True, jnp.ones((4, 3)), jnp.float32(2.0))
+    for x in (jnp.ones((4, 3)), jnp.arange(15.0).reshape(5, 3)):
+        assert_trees_all_close(sub(True, x, 3.0), f(params, True, x, 3.0))
+        assert_trees_all_close(sub(x, 3.0), f(params, True, x, 3.0))
+        assert_trees_all_close(sub(True, x, jnp.float32(0.5)), f(params, True, x, 0.5))
+
+
 def test_mutable_state_comes_back_nested(net):
     class Counted(nn.Module):
         @nn.compact

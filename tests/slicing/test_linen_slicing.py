@@ -577,6 +577,50 @@ def test_module_called_three_times_in_a_python_loop():
     assert_trees_all_close(sub(t), np.tanh(np.asarray(t)))
 
 
+class PosBlock(nn.Module):
+    """A block passed the model's own position input, as Griffin passes `segment_pos`."""
+
+    @nn.compact
+    def __call__(self, h, pos):
+        return h + jnp.tanh(nn.Dense(h.shape[-1], name="dense")(h) * pos[..., None])
+
+
+class PosNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, pos):
+        h = nn.Dense(6, name="embed")(x)
+        for i in range(3):
+            h = PosBlock(name=f"blocks_{i}")(h, pos)
+        return nn.Dense(2, name="head")(h)
+
+
+def _pos_net():
+    model = PosNet()
+    x = random_input(40, (2, 5, 3))
+    pos = jnp.broadcast_to(jnp.arange(5.0) * 0.3, (2, 5))
+    return model, random_variables(model, x, pos, seed=40), x, pos
+
+
+@pytest.mark.parametrize("end", [None, "blocks_2"])
+def test_a_block_passed_a_model_input_starts_with_the_model_inputs(end):
+    """``start=[block, None]``: the block's arguments that are the model's inputs come
+    from the model's inputs (given once), the rest is the block's own input."""
+    model, variables, x, pos = _pos_net()
+    sub = js.slice(model, variables, x, pos, start=["blocks_1", None], end=end)
+    calls = record_calls(model, variables, x, pos)
+    (h1, _), _, _ = calls["blocks_1"][0]
+    want = model.apply(variables, x, pos) if end is None else calls["blocks_2"][0][2]
+    assert_trees_all_close(sub(h1, x, pos), want)
+    # The block's input is the one given (not computed from x), `pos` the model's input.
+    h, pos2 = jnp.tanh(h1 * 3.0), pos[:, ::-1]
+    p = variables["params"]
+    for name in ("blocks_1", "blocks_2"):
+        h = PosBlock().apply({"params": p[name]}, h, pos2)
+    if end is None:
+        h = nn.Dense(2).apply({"params": p["head"]}, h)
+    assert_trees_all_close(sub(jnp.tanh(h1 * 3.0), x, pos2), h)
+
+
 def test_a_named_start_whose_values_derive_from_the_inputs_is_taken_not_dropped():
     """With the model's inputs among the starts, values derived from them outside any
     module are computed again; a named start made only of such values is still taken."""

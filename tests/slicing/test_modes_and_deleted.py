@@ -1,8 +1,10 @@
 """Modes given as arrays, and arrays that no longer exist.
 
 A mode keyword given as a one-element array (``train=jnp.asarray(True)``) means what its
-value says, as it does when the model's own ``apply`` branches on it; a traced or
-many-element mode is a clear error. An array that was donated or deleted gives a
+value says, as it does when the model's own ``apply`` branches on it, through every view
+that passes modes on (a slice, an interpreter, an edited model); a traced or many-element
+mode is a clear error, and modes of equal value and other type (``1``, ``1.0``) run
+apart. An array that was donated or deleted gives a
 `SliceError` naming the variable or input, not JAX's bare ``RuntimeError``. Oracles: the
 model's own `apply` (or call) in the same mode.
 """
@@ -50,6 +52,73 @@ def test_a_mode_given_as_a_one_element_array_means_its_value(flag, made_with):
     for value in (True, False):
         got = sub.apply(sub.variables, X, train=flag(value), rngs=RNGS, mutable=["batch_stats"])
         want = MODEL.apply(VARIABLES, X, train=value, rngs=RNGS, mutable=["batch_stats"])
+        close(got, want)
+
+
+class Identity(js.Interpreter):
+    """Observes nothing: runs the model as it is."""
+
+
+def _views():
+    """Each way a mode reaches a traced program, as ``run(train) -> output``: a slice's
+    `apply` and call, an interpreter's function, an edited model's call and `apply`."""
+    sub = js.slice(MODEL, VARIABLES, X, rngs=RNGS, mutable=["batch_stats"], end="drop")
+    interpreted = Identity().build(
+        MODEL, VARIABLES, X, rngs=RNGS, mutable=["batch_stats"], jit=False
+    )
+    editor = js.edit(MODEL, VARIABLES, X)
+    editor.insert_after("dense", lambda h: h)  # an edit that changes nothing
+    edited = editor.build()
+    kw = {"rngs": RNGS, "mutable": ["batch_stats"]}
+    return {
+        "slice apply": lambda t: sub.apply(sub.variables, X, train=t, **kw)[0],
+        "slice call": lambda t: sub(X, train=t, **kw)[0],
+        "interpreter": lambda t: interpreted(VARIABLES, X, rngs=RNGS, train=t)[0],
+        "edited call": lambda t: edited(X, train=t, **kw)[0],
+        "edited apply": lambda t: edited.apply(edited.variables, X, train=t, **kw)[0],
+    }
+
+
+@pytest.mark.parametrize("flag", [jnp.asarray, np.bool_, np.asarray], ids=["jax", "np_bool", "np"])
+def test_every_view_reads_an_array_mode_as_its_value(flag):
+    """Each mode in turn (False first, then True) through every view: each call computes
+    what the model's own `apply` computes in that mode."""
+    for name, run in _views().items():
+        for value in (False, True):
+            want = MODEL.apply(VARIABLES, X, train=value, rngs=RNGS, mutable=["batch_stats"])[0]
+            try:
+                close(run(flag(value)), want)
+            except AssertionError as error:
+                raise AssertionError(f"{name}, train={flag(value)!r}") from error
+
+
+def test_a_traced_mode_of_an_interpreter_is_an_error_naming_it():
+    fn = Identity().build(MODEL, VARIABLES, X, rngs=RNGS, mutable=["batch_stats"])
+    with pytest.raises(js.SliceError, match=r"train=.*traced"):
+        fn(VARIABLES, X, rngs=RNGS, train=jnp.asarray(True))
+
+
+class Offset(nn.Module):
+    @nn.compact
+    def __call__(self, x, offset=1):
+        return nn.Dense(3, name="dense")(x), jnp.arange(3) * offset
+
+
+@pytest.mark.parametrize("first, then", [(1, 1.0), (1.0, 1)])
+def test_modes_of_equal_value_and_other_type_run_apart(first, then):
+    """``offset=1`` then ``offset=1.0`` at call time: the second gets its own program
+    (a float result), as the model's `apply` does."""
+    model = Offset()
+    variables = model.init(jax.random.key(0), X)
+    sub = js.slice(model, variables, X)
+    interpreted = Identity().build(model, variables, X, jit=False)
+    for call in (
+        lambda v: sub.apply(sub.variables, X, offset=v)[1],
+        lambda v: interpreted(variables, X, offset=v)[0][1],
+    ):
+        call(first)
+        got, want = call(then), model.apply(variables, X, offset=then)[1]
+        assert got.dtype == want.dtype
         close(got, want)
 
 

@@ -397,6 +397,42 @@ def test_the_model_inputs_as_a_second_start_recompute_positions_and_masks():
     close(fixed((outs[2], None), TOKENS), model.apply(variables, TOKENS))
 
 
+class PosTBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, pos):
+        h = nn.Dense(D, name="attn")(x + pos[..., None])
+        return x + nn.Dense(D, name="mlp")(jnp.tanh(h)), None
+
+
+class PosLM(nn.Module):
+    """Every layer is passed the model's own position input (Griffin's `segment_pos`)."""
+
+    @nn.compact
+    def __call__(self, tokens, pos):
+        x = nn.Embed(10, D, name="embed")(tokens)
+        stack = nn.scan(
+            PosTBlock,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast,),
+            length=N,
+        )
+        x, _ = stack(name="layers")(x, pos)
+        return nn.Dense(10, name="head")(x)
+
+
+def test_the_model_inputs_as_a_second_start_give_an_input_every_layer_is_passed():
+    model, pos = PosLM(), jnp.array([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
+    variables = model.init(jax.random.key(7), TOKENS, pos)
+    p = variables["params"]
+    x = p["embed"]["embedding"][TOKENS]
+    for k in range(2):  # layers 0 and 1, by hand
+        row = jax.tree_util.tree_map(lambda a, k=k: a[k], p["layers"])
+        x = PosTBlock().apply({"params": row}, x, pos)[0]
+    sub = js.slice(model, variables, TOKENS, pos, start=["layers[2]", None], end=None)
+    close(sub(x, TOKENS, pos), model.apply(variables, TOKENS, pos))
+
+
 # --------------------------------------------------------------------------- other views
 
 
