@@ -50,8 +50,10 @@ Groups (``--only``), each a module here:
            24. update + result() of the four pair criteria at batch 64, test split seen
                / the jitted forward at batch 64                                   <= 3
            25. peak memory of a 512 x 512 layer-pair update at batch 64 (capacity 4096,
-               ~4000 seen; XLA's memory analysis)                                 <= 1 GiB
+               ~4000 seen; XLA's memory analysis)                                 <= 75 MiB
                (and the time per update, for information)
+           26. update + result() at a batch size not seen before (after batch 64) /
+               at batch 64, the four pair criteria of row 24                      <= 1.5
 
 Only the public API of jaxslice is used. The exit status is 1 when a retrace count (exact)
 misses its target or a slice computes a wrong result, and, with ``--strict``, when any

@@ -7,6 +7,7 @@ from typing import Any
 from . import _compat
 from ._core.trace import trace
 from ._table import BoundaryTable, describe
+from .adapters import adapter_for
 
 
 def boundaries(target: Any, *args: Any, **kwargs: Any) -> BoundaryTable:
@@ -29,7 +30,7 @@ def boundaries(target: Any, *args: Any, **kwargs: Any) -> BoundaryTable:
     layers_0  Dense  0/1   float32[1, 3]  float32[1, 8]  32
     layers_2  Dense  0/1   float32[1, 8]  float32[1, 2]  18
     """
-    return describe(trace(target, args, kwargs))
+    return describe(trace(target, args, kwargs, adapter=adapter_for(target)))
 
 
 _compat.register_frames_exclusion(__file__)

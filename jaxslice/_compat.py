@@ -135,21 +135,15 @@ def call_body(eqn: Any) -> Any | None:
     return jaxpr, consts
 
 
-# Loop and conditional primitives, by name: a body holding boundaries runs once per
-# iteration (scan, while) or not at all (cond). Only `scan` has a static trip count.
-_LOOPS = frozenset({"scan", "while", "cond"})
-
-
-def loop_primitive(eqn: Any) -> str | None:
-    """``"scan"``, ``"while"`` or ``"cond"`` for a loop or conditional equation, else None."""
-    name = primitive_name(eqn)
-    return name if name in _LOOPS else None
+def is_loop(eqn: Any) -> bool:
+    """Whether an equation is a loop or a conditional: its bodies run many times, or not
+    at all (what jaxslice knows of each loop is in `_core.jaxprs.LOOP_RULES`)."""
+    return primitive_name(eqn) in ("scan", "while", "cond")
 
 
 @dataclasses.dataclass(frozen=True)
 class ScanParts:
-    """A `scan` equation's body and layout: operands are ``consts + carry + xs``, results
-    ``carry + ys``."""
+    """A `scan`'s body and layout: operands ``consts + carry + xs``, results ``carry + ys``."""
 
     jaxpr: Any
     consts: Sequence[Any]
@@ -171,6 +165,13 @@ def scan_parts(eqn: Any) -> ScanParts:
         bool(params["reverse"]),
         params.get("unroll", 1),
     )
+
+
+def while_parts(eqn: Any) -> tuple[Any, Any, int, int]:
+    """A `while`'s ``(cond, body, cond_nconsts, body_nconsts)``, bodies as closed jaxprs;
+    its operands are ``cond consts + body consts + carry``, its results the carry."""
+    p = eqn.params
+    return p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"]
 
 
 def _scan_layout(params: dict[str, Any]) -> tuple[int, int]:

@@ -39,7 +39,7 @@ Sharp edges: `insert_after` acts on a module's output, or on its input with the
 ``train=False``, and `rngs`) is the one the editor was made with. A node inserted at one
 iteration runs in a branch of the loop body, so it is no boundary of the edited model;
 a node at ``[:]`` is, listed at the top of the loop body it runs in (``layers[:]/name``
-for one at ``layers[:]/mlp``, `Site.node_template`). Node names hold none of the
+for one at ``layers[:]/mlp``, `_edit_nodes.node_template`). Node names hold none of the
 characters boundary names use (`NOT_IN_NAMES`). Arguments without arrays (a positional
 ``train`` flag) stay fixed while the editor probes shapes, as a trace fixes them. An
 Equinox edited model is traced for the structure it was edited with.
@@ -54,21 +54,24 @@ import jax
 
 from . import _compat
 from ._core.markers import INPUT, OUTPUT
-from ._core.names import Resolver, parse, shown
+from ._core.names import shown
 from ._core.program import SliceProgram
+from ._core.selection import Name, Resolver, Selection, resolver_of
 from ._core.trace import Traced, trace
 from ._edit_nodes import (
     Edit,
     Node,
-    Site,
+    Preview,
     Tables,
     call_input_specs,
     describe_shapes,
+    meeting,
     new_node,
+    node_template,
     same_shapes,
     site_of,
 )
-from ._edited import Built, EditedAdapter, EditedModel, EditPlan
+from ._edited import Built, EditedAdapter, EditedModel, EditPlan, probe_shapes
 from ._edited_sliced import Edited
 from ._errors import (
     CallInputNameTakenError,
@@ -83,8 +86,9 @@ from ._errors import (
 )
 from ._slice import view
 from ._table import BoundaryTable, describe
-from ._trees import is_traced_leaf, joined_key
+from ._trees import joined_key
 from ._view import DrawsInline
+from .adapters import adapter_for
 
 # Keywords the edited model's `apply` takes itself: no call-time input may be named so.
 RESERVED = frozenset({"rngs", "mutable", "variables"})
@@ -112,7 +116,7 @@ class Editor(DrawsInline):
     """
 
     def __init__(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]):
-        program = SliceProgram.build(target, args, kwargs, None, None)
+        program = SliceProgram.build(target, args, kwargs, adapter=adapter_for(target))
         self._target = target
         self._variables = program.adapter.split(target, args, kwargs).variables
         # A model that holds its variables (NNX) is read live, its values keyed by
@@ -123,10 +127,10 @@ class Editor(DrawsInline):
         graph = program.base.traced.graph
         taken = {c.qualname for c in graph.calls} | {c.name for c in graph.calls}
         taken |= program.adapter.variable_names(self._variables)
-        self._base = _Base(program, Resolver(graph), frozenset(taken))
+        self._base = _Base(program, resolver_of(graph), frozenset(taken))
         self._edits: tuple[Edit, ...] = ()
         self._tables = Tables()
-        self._known: dict[tuple[str, str], Any] | None = None
+        self._known: dict[Selection, Any] | None = None
 
     def _commit(self, edit: Edit, probe: str | None) -> Editor:
         """Adds `edit`: the editor's state is replaced at once, only if the edit works."""
@@ -195,10 +199,10 @@ class Editor(DrawsInline):
         site = self._site(at)
         name = self._fresh_name(fn_or_module, site) if name is None else name
         self._check_new_name(name, site)
-        value = self._value_at(site, site.port)
+        value = self._value_at(site, site.side)
         node = self._new_node(fn_or_module, key, name, (value,), site, inputs, value)
         edit = Edit("insert", site, node)
-        return self._commit(edit, f"Inserting {name!r} after {site.name!r}:{site.port}")
+        return self._commit(edit, f"Inserting {name!r} after {site.name!r}:{site.side}")
 
     def replace(
         self, at: str, fn_or_module: Any, /, *, key: Any = None, inputs: Any = ()
@@ -217,14 +221,14 @@ class Editor(DrawsInline):
         """
         site = self._whole_call("replace", at)
         sample = self._value_at(site, INPUT)
-        inserted = site.name in self._tables.inserted
+        inserted = site.node is not None
         sample = (sample,) if inserted or not isinstance(sample, tuple) else sample
         if inserted:
-            name = site.name
-        elif site.in_loop:  # its variables are rows of the loop's: kept
+            name = site.node
+        elif site.path:  # inside loops: its variables are rows of the loop's, kept
             name = self._fresh_name(fn_or_module, site)
         else:
-            name = self._base.resolver.resolve(site.name, OUTPUT)[0].name
+            name = site.call.name
         out = self._value_at(site, OUTPUT)  # what call-time inputs are shaped like
         node = self._new_node(fn_or_module, key, name, sample, site, inputs, out)
         self._check_replaceable(site, node)
@@ -243,13 +247,30 @@ class Editor(DrawsInline):
           The editor, so edits chain.
         """
         site = self._whole_call("remove", at)
-        if site.name not in self._tables.inserted:
+        if site.node is None:
             inp, out = self._value_at(site, INPUT), self._value_at(site, OUTPUT)
             if not same_shapes(inp, out):
                 raise RemoveMismatchError(
                     name=site.name, inp=describe_shapes(inp), out=describe_shapes(out)
                 )
         return self._commit(Edit("remove", site), None)
+
+    def at(self, at: str, /) -> Preview:
+        """What an edit at `at` would touch, before anything changes: the calls (one
+        per iteration the name picks inside loops), their names and iterations, and the
+        value an inserted node would receive there. The editor is left as it was.
+
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxslice as js
+        >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+        >>> x = jnp.ones((3, 5))
+        >>> g = js.edit(model, model.init(jax.random.key(0), x), x)
+        >>> g.at("layers_0")
+        Preview('layers_0': 1 call(s) at their output: layers_0)
+        >>> g.at("layers_0").value
+        ShapeDtypeStruct(shape=(3, 4), dtype=float32)
+        """
+        site = self._site(at)
+        return Preview.of(site, self._value_at(site, site.side))
 
     # ------------------------------------------------------------------ results
 
@@ -294,7 +315,7 @@ class Editor(DrawsInline):
         from .render import slice_graph
 
         dag = slice_graph(SliceProgram(self._trace(), None, None), depth, whole=True)
-        edited = set(self._tables.inserted) | set(self._tables.changed)
+        edited = set(self._tables.inserted) | {w.name for w in self._tables.changed}
         for name, attrs in dag.nodes(data=True):
             if not name.startswith("<"):
                 attrs["in_slice"] = name in edited
@@ -350,29 +371,30 @@ class Editor(DrawsInline):
         mutable = program.base.traced.split.mutable or (sorted(updated) if updated else False)
         return {"rngs": program.base.traced.split.rngs, "mutable": mutable}
 
-    def _site(self, spec: Any) -> Site:
+    def _site(self, spec: Any) -> Selection:
+        """The record `spec` (a name, parsed or not) picks in the model's graph."""
         return site_of(spec, self._base.resolver, self._tables)
 
-    def _whole_call(self, op: str, spec: str) -> Site:
-        site = self._site(spec)
-        if isinstance(spec, str) and parse(spec)[2] is not None:
+    def _whole_call(self, op: str, spec: str) -> Selection:
+        name = Name.of(spec) if isinstance(spec, str) else spec
+        site = self._site(name)
+        if name.port is not None:
             raise PortSuffixError.of(op, spec)
         return site
 
-    def _value_at(self, site: Site, port: str) -> Any:
+    def _value_at(self, site: Selection, port: str) -> Any:
         """Shapes and dtypes of the value at a site (one iteration's, inside scans)."""
-        known = self._shapes()
-        found = known.get((site.name, port), known.get((site.key, port)))
+        found = self._shapes().get(meeting(dataclasses.replace(site, side=port)))
         if found is None:
             raise NotEvaluatedError(name=site.name, port=port)
         return found
 
-    def _check_replaceable(self, site: Site, node: Node) -> None:
+    def _check_replaceable(self, site: Selection, node: Node) -> None:
         """A module with variables takes the name of the call it replaces: refused for one
         call of a module called several times (both would have that name)."""
-        if site.name in self._tables.inserted or site.in_loop or node.variables is None:
+        if site.node is not None or site.path or node.variables is None:
             return
-        call, _ = self._base.resolver.resolve(site.name, OUTPUT)
+        call = site.call
         if call.count > 1:
             raise SharedModuleReplaceError(name=call.name, count=call.count)
 
@@ -382,7 +404,7 @@ class Editor(DrawsInline):
         key: Any,
         name: str,
         args: tuple[Any, ...],
-        site: Site,
+        site: Selection,
         inputs: Any,
         like: Any,
     ) -> Node:
@@ -402,7 +424,7 @@ class Editor(DrawsInline):
         node = new_node(adapter, fn_or_module, key, name, site, (*args, *rows))
         return dataclasses.replace(node, inputs=names, samples=samples, site=site)
 
-    def _fresh_name(self, fn_or_module: Any, site: Site) -> str:
+    def _fresh_name(self, fn_or_module: Any, site: Selection) -> str:
         own = self._base.program.adapter.node_name(fn_or_module)  # a Keras layer's name
         if own and not any(c in NOT_IN_NAMES for c in own) and not self._is_taken(own, site):
             return own
@@ -414,51 +436,29 @@ class Editor(DrawsInline):
             i += 1
         return f"{base}_{i}"
 
-    def _check_new_name(self, name: str, site: Site) -> None:
+    def _check_new_name(self, name: str, site: Selection) -> None:
         if not isinstance(name, str) or not name or any(c in NOT_IN_NAMES for c in name):
             raise NodeNameError(name=name)
         if self._is_taken(name, site):
             raise NodeNameTakenError(name=name)
 
-    def _is_taken(self, name: str, site: Site) -> bool:
+    def _is_taken(self, name: str, site: Selection) -> bool:
         """Whether a node named `name` at `site` would share a name with a boundary, a
         variable or another node, as named or as listed (``layers[:]/name`` in a loop)."""
         taken = self._base.taken
-        listed = shown(site.node_template(name))
+        listed = shown(node_template(site, name))
         return name in taken or listed in taken or name in self._tables.inserted
 
-    def _shapes(self) -> dict[tuple[str, str], Any]:
+    def _shapes(self) -> dict[Selection, Any]:
         """Shapes at every boundary of the edited model as it stands (probed once)."""
         if self._known is None:
             self._known = self._probe()
         return self._known
 
-    def _probe(self) -> dict[tuple[str, str], Any]:
+    def _probe(self) -> dict[Selection, Any]:
         """Shapes at every boundary of the edited model, from one abstract evaluation."""
-        seen: dict[tuple[str, str], Any] = {}
-
-        def record(name: str, side: str, value: Any) -> None:
-            seen[(name, side)] = jax.tree_util.tree_map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), value
-            )
-
-        split = self._base.split
-        samples = {n: sample for n, (_, sample) in self._tables.call_inputs().items()}
-        model = EditedModel(self._plan(), record)
-        collections = self._collections()  # random keys and `mutable`: not abstract values
-        # Only the arrays are abstract: the model's other arguments (a positional
-        # ``train`` flag) stay the values the trace fixed, as `js.slice` keeps them.
-        flat, tree = jax.tree_util.tree_flatten((split.args, {**split.kwargs, **samples}))
-        arrays = [x for x in flat if is_traced_leaf(x)]
-
-        def probe(variables: Any, arrays: list[Any]) -> Any:
-            given = iter(arrays)
-            leaves = [next(given) if is_traced_leaf(x) else x for x in flat]
-            args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
-            return model(variables, *args, **collections, **kwargs)
-
-        jax.eval_shape(probe, self.variables, arrays)
-        return seen
+        split, collections = self._base.split, self._collections()
+        return probe_shapes(self._plan(), split, collections, self.variables)
 
 
 def edit(target: Any, *args: Any, **kwargs: Any) -> Editor:
@@ -471,7 +471,8 @@ def edit(target: Any, *args: Any, **kwargs: Any) -> Editor:
     Returns:
       An `Editor` with ``insert_after(at, fn_or_module, *, key=None, name=None,
       inputs=())``, ``replace(at, fn_or_module, *, key=None, inputs=())`` and
-      ``remove(at)`` (each returns the editor, so edits chain; a failed edit changes
+      ``remove(at)`` (each returns the editor, so edits chain; ``at(name)`` shows what
+      an edit there would touch, and changes nothing; a failed edit changes
       nothing; names may pick iterations of scans, ``layers[3]/mlp``, or all of them,
       ``layers[:]/mlp``), ``copy()``, ``build()`` (the edited model, as the same kind of
       object a slice of the model is), ``slice(start=..., end=...)``, ``variables`` and

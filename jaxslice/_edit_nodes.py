@@ -1,7 +1,7 @@
 """What an edit adds, and where: new nodes, edit sites, edit records and their replay.
 
 An edit is an immutable record (`Edit`): what it does (insert, replace, remove), where
-(`Site`: a boundary, an iteration of one inside scans or all of them, or a node inserted
+(`Selection`: a boundary, an iteration of one inside scans or all of them, or a node inserted
 before) and the new `Node` (a function of the value there, of the node's own variables and
 of call-time inputs). `Tables` replays a tuple of records into what happens at each
 boundary of the edited model; the edited model (`_edited.py`) reads only the tables.
@@ -14,6 +14,7 @@ libraries whose modules hold their variables (NNX, Equinox) come from their adap
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -21,7 +22,8 @@ from typing import Any
 import jax
 
 from ._core.markers import OUTPUT
-from ._core.names import STACKED, Resolver, fill, node_place, parse, shown, split_name, unslotted
+from ._core.names import STACKED, fill, node_place, shown, split_name, unslotted
+from ._core.selection import Name, Resolver, Selection
 from ._errors import (
     CallInputLikeError,
     CallInputNamesError,
@@ -41,7 +43,7 @@ class Node:
     variables: Any  # its own variables ({collection: ...} for linen), or None
     inputs: tuple[str, ...] = ()  # names of its call-time inputs
     samples: tuple[Any, ...] = ()  # their shapes and dtypes (`jax.ShapeDtypeStruct`s)
-    site: Site | None = None  # where it was put
+    site: Selection | None = None  # where it was put
     # What of the node, besides its variables, decides the edited program (an NNX
     # module's graph definition: its mode); None where nothing can change.
     structure_of: Callable[[], Any] | None = None
@@ -69,8 +71,8 @@ class Node:
     @property
     def template(self) -> str:
         """Its name in the edited model, with the loops' iteration slots (see
-        `Site.node_template`)."""
-        return self.name if self.site is None else self.site.node_template(self.name)
+        `node_template`)."""
+        return self.name if self.site is None else node_template(self.site, self.name)
 
     @property
     def path(self) -> tuple[str, ...]:
@@ -89,57 +91,50 @@ class Node:
         return getattr(self.fn, "__name__", "function")
 
 
-@dataclasses.dataclass(frozen=True)
-class Site:
-    """Where an edit acts: a call (or inserted node) by its qualified name, and a port.
+def node_template(site: Selection, name: str) -> str:
+    """The name of a node `name` put at `site`, in the edited model, with the loops'
+    iteration slots: at the top of the loop body it runs in (``layers[:]/name`` for a
+    node at ``layers[:]/mlp``, as `names.node_place` says), or of the model outside loops."""
+    if not site.path:
+        return name
+    parent, slot = node_place(site.call.template)
+    own = name + slot  # (a node's name holds no character a name escapes)
+    return f"{parent}/{own}" if parent else own
 
-    For a call inside scans, `name` holds its iterations (``layers[3]/mlp`` or
-    ``layers[:]/mlp``) and `key` the same name with ``[:]`` in every slot (how its
-    edits are found while the loop body runs once for all iterations); `lengths` and
-    `depths` are the lengths and depths of the loops it names with ``[:]``, `when`
-    ``(depth, k)`` for each loop it names one iteration k of. A node put there is listed
-    under `parent` (a template name, '' for the top level) with the iteration slot
-    `slot` of its own ('' for none), as `names.node_place` says.
-    """
 
-    name: str
-    port: str
-    key: str
-    lengths: tuple[int, ...] = ()
-    depths: tuple[int, ...] = ()
-    when: tuple[tuple[int, int], ...] = ()
-    parent: str = ""
-    slot: str = ""
+def meeting(at: Selection) -> Selection:
+    """The record the running model meets an edit at `at` by (`BoundaryEvent.where`): in
+    every iteration (a loop body runs once for all of them, `at.when` picks its
+    iterations), or, for an inserted node, the node's own (`node_where`)."""
+    if at.node is not None:
+        return node_where(at.node, at.side)
+    return dataclasses.replace(at.every(), whole=False)
 
-    @property
-    def in_loop(self) -> bool:
-        return bool(self.lengths or self.when)
 
-    def node_template(self, name: str) -> str:
-        """The name of a node `name` put here, in the edited model, with the loops'
-        iteration slots: at the top of the loop body it runs in (``layers[:]/name``
-        for a node at ``layers[:]/mlp``), or of the model outside loops."""
-        own = name + self.slot  # (a node's name holds no character a name escapes)
-        return f"{self.parent}/{own}" if self.parent else own
+def node_where(name: str, side: str) -> Selection:
+    """The record of one side of an inserted node, as the edited model runs it."""
+    return Selection(None, None, side, node=name)
 
 
 @dataclasses.dataclass(frozen=True)
 class Edit:
     op: str  # "insert", "replace" or "remove"
-    at: Site
+    at: Selection  # a call (its iterations, inside loops) or an inserted node, and a side
     node: Node | None = None
 
 
 @dataclasses.dataclass
 class Tables:
     """The edits replayed: what happens at each boundary of the edited model, by the
-    boundary's key (`Site.key`). `changed` holds, per call and in the order they were
-    made, its replacements (a node) and bypasses (None), each for the iterations `when`
-    names (all if empty): a later one wins where both apply."""
+    record the running model meets it by (`meeting`). `after` holds the nodes inserted
+    at each record (a call's or a node's side); `changed` holds, per call (its output's
+    record) and in the order they were made, its replacements (a node) and bypasses
+    (None), each for the iterations `when` names (all if empty): a later one wins where
+    both apply."""
 
-    after: dict[tuple[str, str], list[Node]] = dataclasses.field(default_factory=dict)
-    changed: dict[str, list[tuple[tuple[tuple[int, int], ...], Node | None]]] = dataclasses.field(
-        default_factory=dict
+    after: dict[Selection, list[Node]] = dataclasses.field(default_factory=dict)
+    changed: dict[Selection, list[tuple[tuple[tuple[int, int], ...], Node | None]]] = (
+        dataclasses.field(default_factory=dict)
     )
     inserted: dict[str, Node] = dataclasses.field(default_factory=dict)
 
@@ -151,12 +146,12 @@ class Tables:
         return t
 
     def _insert(self, e: Edit) -> None:
-        self.after.setdefault((e.at.key, e.at.port), []).append(e.node)
+        self.after.setdefault(meeting(e.at), []).append(e.node)
         self.inserted[e.node.name] = e.node
 
     def _replace(self, e: Edit) -> None:
-        at = e.at.name
-        if at in self.inserted:
+        at = e.at.node
+        if at is not None:
             old = self.inserted[at]
             self.inserted[at] = e.node
             for nodes in self.after.values():
@@ -165,23 +160,32 @@ class Tables:
         self._change(e.at, e.node)
 
     def _remove(self, e: Edit) -> None:
-        at = e.at.name
-        if at not in self.inserted:
+        at = e.at.node
+        if at is None:
             self._change(e.at, None)
             return
         node = self.inserted.pop(at)
-        following = self.after.pop((at, OUTPUT), [])
+        following = self.after.pop(node_where(at, OUTPUT), [])
         for nodes in self.after.values():
             if node in nodes:
                 i = nodes.index(node)
                 nodes[i : i + 1] = following
 
-    def _change(self, site: Site, node: Node | None) -> None:
+    def _change(self, site: Selection, node: Node | None) -> None:
         """A replacement (or bypass) of a call; one made before for the same iterations
         is superseded (and its variables leave the edited model)."""
-        changes = self.changed.setdefault(site.key, [])
+        changes = self.changed.setdefault(meeting(site), [])
         changes[:] = [c for c in changes if c[0] != site.when]
         changes.append((site.when, node))
+
+    def moved(self, resolver: Any) -> Tables:
+        """The same tables for another graph of the model (traced again at new shapes):
+        each call's record is that call's in the graph of `resolver` (`Resolver.same`)."""
+        return Tables(
+            {resolver.same(w): nodes for w, nodes in self.after.items()},
+            {resolver.same(w): changes for w, changes in self.changed.items()},
+            self.inserted,
+        )
 
     def node_named(self, name: str) -> Node | None:
         """The inserted node of that name, or listed under that name (``layers[:]/n``)."""
@@ -201,28 +205,67 @@ class Tables:
         }
 
 
-def site_of(spec: Any, resolver: Resolver, tables: Tables) -> Site:
-    """Where `spec` points: a boundary (an iteration of one inside scans, or all of
-    them) or an inserted node, and the port (the output unless ``:input``)."""
-    if isinstance(spec, str):
-        base, _, port = parse(spec)
-        node = tables.node_named(base)
+@dataclasses.dataclass(frozen=True)
+class Preview:
+    """What an edit at one name would touch, before anything changes (`Editor.at`).
+
+    Attributes:
+      where: the record the name resolves to (`selection.Selection`).
+      names: the name of each call the edit touches: one per iteration the name picks
+        inside loops (``layers[0]/mlp``, ``layers[1]/mlp``, ... for ``layers[:]/mlp``).
+      iterations: for each of them, its iteration in each enclosing loop, outermost
+        first (``()`` outside loops; ``":"`` for every iteration of a `while`).
+      value: the shapes and dtypes (`jax.ShapeDtypeStruct`s) of the value there, one
+        iteration's: what an inserted node receives.
+    """
+
+    where: Selection
+    names: tuple[str, ...]
+    iterations: tuple[tuple[int, ...], ...]
+    value: Any
+
+    @classmethod
+    def of(cls, where: Selection, value: Any) -> Preview:
+        lengths = [
+            range(s.length) if k == STACKED and s.length else (k,)  # a `while`: ":"
+            for s, k in zip(where.sites, where.path, strict=True)
+        ]
+        paths = list(itertools.product(*lengths))
+        if where.node is None:
+            names = [dataclasses.replace(where, path=p).name for p in paths]
+        else:  # an inserted node, at the top of the loop body it runs in
+            names = [fill(node_template(where, where.node), p) for p in paths]
+        return cls(where, tuple(names), tuple(paths), value)
+
+    @property
+    def count(self) -> int | None:
+        """How many calls (iterations) the edit touches; None where a loop's count is
+        known only when it runs (a `while`: its one name and iteration hold ``[:]``)."""
+        uncounted = any(k == STACKED for p in self.iterations for k in p)
+        return None if uncounted else len(self.names)
+
+    @property
+    def side(self) -> str:
+        return self.where.side
+
+    def __repr__(self) -> str:
+        few = len(self.names) <= 4
+        names = ", ".join(self.names) if few else f"{self.names[0]}, ..., {self.names[-1]}"
+        count = "every iteration's" if self.count is None else f"{self.count}"
+        return f"Preview({self.where.spec!r}: {count} call(s) at their {self.side}: {names})"
+
+
+def site_of(spec: Any, resolver: Resolver, tables: Tables) -> Selection:
+    """Where `spec` (a name, parsed or not) points: a boundary (an iteration of one
+    inside scans, or all of them) or an inserted node, and the side (the output unless
+    ``:input``), as a record of the model's graph (`resolver`)."""
+    name = Name.of(spec) if isinstance(spec, str) else spec
+    if isinstance(name, Name):
+        node = tables.node_named(name.base)
         if node is not None:
-            name = node.name
-            return dataclasses.replace(node.site, name=name, port=port or OUTPUT, key=name)
-    ref = resolver.loop_ref(spec, OUTPUT)
-    if ref is None:
-        call, port = resolver.resolve(spec, OUTPUT)
-        return Site(call.qualname, port, call.qualname)
-    call, sites = ref.call, ref.call.loop.chain()
-    suffix = "" if call.count == 1 else f"@{call.index}"
-    stacked = fill(call.template, [STACKED] * len(ref.path)) + suffix
-    depths = tuple(d for d, k in enumerate(ref.path) if k == STACKED)
-    lengths = tuple(sites[d].length for d in depths)
-    when = tuple((depth, k) for depth, k in enumerate(ref.path) if k != STACKED)
-    name = fill(call.template, ref.path) + suffix
-    parent, slot = node_place(call.template)
-    return Site(name, ref.side, stacked, lengths, depths, when, parent, slot)
+            side = name.port or OUTPUT
+            return dataclasses.replace(node.site, spec=name.spec, side=side, node=node.name)
+    return resolver.select(name, OUTPUT, uncounted=True)  # a `while` body's calls at [:]
 
 
 def is_linen(obj: Any) -> bool:
@@ -232,7 +275,7 @@ def is_linen(obj: Any) -> bool:
 
 
 def new_node(
-    adapter: Any, obj: Any, key: Any, name: str, site: Site, args: tuple[Any, ...]
+    adapter: Any, obj: Any, key: Any, name: str, site: Selection, args: tuple[Any, ...]
 ) -> Node:
     """A node named `name` calling `obj` at `site`, which receives values like `args`
     (one iteration's): a module of the model's library (its adapter's `edit_node`), a
@@ -267,7 +310,7 @@ def init_rows(init: Callable[[Any], Any], key: Any, lengths: tuple[int, ...]) ->
     return init(keys)
 
 
-def check_rows(name: str, variables: Any, site: Site) -> None:
+def check_rows(name: str, variables: Any, site: Selection) -> None:
     """A module inserted at ``[:]`` holds one row of variables per iteration."""
     if not site.lengths:
         return
@@ -283,7 +326,9 @@ def check_rows(name: str, variables: Any, site: Site) -> None:
         )
 
 
-def call_input_specs(inputs: Any, like: Any, site: Site) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+def call_input_specs(
+    inputs: Any, like: Any, site: Selection
+) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     """Names and shapes of a node's call-time inputs (with the loops' leading axes); one
     given by name only is shaped like the value `like` (one iteration's)."""
     if isinstance(inputs, str):

@@ -38,8 +38,9 @@ from ._core.jaxprs import row
 from ._core.markers import INPUT, OUTPUT, Origin, is_marking, mark_side, new_record
 from ._core.names import split_name, unslotted
 from ._core.program import SliceProgram
+from ._core.selection import Selection, resolver_of
 from ._core.variables import merge as merge_variables
-from ._edit_nodes import Node, Tables, describe_shapes, same_shapes
+from ._edit_nodes import Node, Tables, describe_shapes, node_where, same_shapes
 from ._errors import (
     CallInputDtypeError,
     CallInputsRejectedError,
@@ -143,6 +144,13 @@ class EditPlan:
             return variables["nodes"][node.name]
         return self.program.adapter.node_variables(variables, node.name, node.variables)
 
+    def tables_on(self, graph: Any) -> Tables:
+        """The edit tables for `graph`: the model's graph they were made on, or another
+        trace of the model (new shapes), the records moved to its calls."""
+        if graph is self.program.base.traced.graph:
+            return self.tables
+        return self.tables.moved(resolver_of(graph))
+
     def owner(self, path: tuple[Any, ...]) -> Node | None:
         """The new node whose variables live at `path` of nested variables, if any."""
         if self.separate:
@@ -207,7 +215,7 @@ class Built:
 class EditedModel:
     """The edited model as a plain function ``fn(variables, *inputs, **call_inputs)``."""
 
-    def __init__(self, plan: EditPlan, observe: Callable[[str, str, Any], None] | None):
+    def __init__(self, plan: EditPlan, observe: Callable[[Selection, Any], None] | None):
         self.plan = plan
         self.observe = observe
         self.__name__ = "edited"
@@ -225,7 +233,7 @@ class EditedModel:
         merged = plan.model_values(variables)
         values = [merged[p] for p in graph.variable_paths]
         keys = [x for x in jax.tree_util.tree_leaves(rngs) if is_traced_leaf(x)]
-        hooks = EditHooks(plan, variables, given, self.observe)
+        hooks = EditHooks(plan, plan.tables_on(graph), variables, given, self.observe)
         if not (plan.live or mutable):
             return evaluate_graph(graph, hooks, values, keys, leaves)
         out, state = evaluate_graph(graph, hooks, values, keys, leaves, with_state=True)
@@ -234,6 +242,37 @@ class EditedModel:
         # A model that holds its variables returns what it updated, to be written back.
         pairs = zip(graph.state_paths, state, strict=True)
         return out, {joined_key(p): x for p, x in pairs if x is not merged.get(p)}
+
+
+def probe_shapes(
+    plan: EditPlan, split: Split, collections: dict[str, Any], variables: Any
+) -> dict[Selection, Any]:
+    """Shapes and dtypes at every boundary of the edited model (one iteration's inside
+    loops), from one abstract evaluation, by the record the running model meets each by,
+    in the graph the editor resolved its names on (a trace with `mutable` may be another
+    graph of the model). `collections`: the random keys and `mutable`, which stay as
+    they are; so do the model's arguments that are not arrays (a positional ``train``
+    flag), as a trace fixes them."""
+    resolver = resolver_of(plan.program.base.traced.graph)
+    seen: dict[Selection, Any] = {}
+
+    def record(where: Selection, value: Any) -> None:
+        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), value)
+        seen[resolver.same(where)] = shapes
+
+    samples = {n: sample for n, (_, sample) in plan.tables.call_inputs().items()}
+    model = EditedModel(plan, record)
+    flat, tree = jax.tree_util.tree_flatten((split.args, {**split.kwargs, **samples}))
+    arrays = [x for x in flat if is_traced_leaf(x)]
+
+    def probe(variables: Any, arrays: list[Any]) -> Any:
+        given = iter(arrays)
+        leaves = [next(given) if is_traced_leaf(x) else x for x in flat]
+        args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
+        return model(variables, *args, **collections, **kwargs)
+
+    jax.eval_shape(probe, variables, arrays)
+    return seen
 
 
 def take_call_inputs(plan: EditPlan, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -267,36 +306,45 @@ def check_call_inputs(expected: dict[str, tuple[Node, Any]], given: dict[str, An
 
 
 class EditHooks(Hooks):
-    """Applies an editor's edits at the boundaries of the original model's program."""
+    """Applies an editor's edits at the boundaries of the original model's program: an
+    edit applies at an event whose record (`BoundaryEvent.where`) is the edit's record
+    in `tables` (`_edit_nodes.meeting`)."""
 
-    def __init__(self, plan: EditPlan, variables: Any, call_values: dict[str, Any], observe: Any):
+    def __init__(
+        self,
+        plan: EditPlan,
+        tables: Tables,
+        variables: Any,
+        call_values: dict[str, Any],
+        observe: Any,
+    ):
         self.plan = plan
-        self.tables = plan.tables
+        self.tables = tables
         self.variables = variables
         self.call_values = call_values
-        self.observe = observe or (lambda name, side, value: None)
-        self.inputs: dict[str, Any] = {}
+        self.observe = observe or (lambda where, value: None)
+        self.inputs: dict[Any, Any] = {}
         self.records: dict[int, Any] = {}
 
     def on_boundary(self, event: BoundaryEvent) -> Any:
-        name, value = event.name, event.value
+        where, value = event.where, event.value
         if event.side == INPUT:
-            value = self._after(event, INPUT, value)
-            self.inputs[name] = value
+            value = self._after(where, event, value)
+            self.inputs[event.call] = value
             self._remark(event, value)
-            self.observe(name, INPUT, value)
+            self.observe(where, value)
             return value
-        value = self._output(event, value)
+        value = self._output(where, event, value)
         self._remark(event, value)
-        self.observe(name, OUTPUT, value)
-        return self._after(event, OUTPUT, value)
+        self.observe(where, value)
+        return self._after(where, event, value)
 
-    def _output(self, event: BoundaryEvent, value: Any) -> Any:
+    def _output(self, where: Selection, event: BoundaryEvent, value: Any) -> Any:
         """A call's output with its replacements and bypasses applied in the order they
         were made (one at one iteration only in that iteration): a later one wins."""
-        args = self.inputs[event.name]
+        args = self.inputs[event.call]
         call_args = args if isinstance(args, tuple) else (args,)
-        for when, node in self.tables.changed.get(event.name, ()):
+        for when, node in self.tables.changed.get(where, ()):
             if node is None:
                 value = _only(event, when, lambda: args, value)
             else:
@@ -336,21 +384,22 @@ class EditHooks(Hooks):
                 method="__call__",
                 module_type=node.module_type,
             )
-            self.observe(node.name, INPUT, value)
+            self.observe(node_where(node.name, INPUT), value)
             if remark:
                 mark_side(record, INPUT, ((value,), {}))
             out = self._run(node, event, (value,), value)
             if remark:
                 mark_side(record, OUTPUT, out)
-            self.observe(node.name, OUTPUT, out)
-            for after in list(self.tables.after.get((node.name, OUTPUT), ())):
+            output = node_where(node.name, OUTPUT)
+            self.observe(output, out)
+            for after in list(self.tables.after.get(output, ())):
                 out = self._call_node(after, event, out)
             return out
 
         return _only(event, node.when, run, value)
 
-    def _after(self, event: BoundaryEvent, port: str, value: Any) -> Any:
-        for node in list(self.tables.after.get((event.name, port), ())):
+    def _after(self, where: Selection, event: BoundaryEvent, value: Any) -> Any:
+        for node in list(self.tables.after.get(where, ())):
             value = self._call_node(node, event, value)
         return value
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from . import _compat
 from ._caches import LRU
+from ._core.ports import parsed
 from ._core.program import SliceProgram
 from ._core.trace import trace_split, traced_key
 from ._errors import NamesSpecError
@@ -75,10 +76,12 @@ def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> 
 
 
 def _program(adapter: Adapter, target: Any, split: Split, names: Any) -> Any:
-    traced = trace_split(adapter, target, split, list(names) if names is not None else None)
-    if names is None:
-        names = [c.qualname for c in traced.graph.calls if c.loop is None]
-    return SliceProgram(traced, None, {n: n for n in names})
+    # Each name parsed once: the trace stops after them, and the slice ends at them.
+    ends = parsed({n: n for n in names}) if names is not None else None
+    traced = trace_split(adapter, target, split, list(ends.values()) if ends is not None else None)
+    if ends is None:
+        ends = {c.qualname: c.qualname for c in traced.graph.calls if c.loop is None}
+    return SliceProgram(traced, None, ends)
 
 
 _compat.register_frames_exclusion(__file__)

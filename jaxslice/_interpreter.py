@@ -20,6 +20,7 @@ from ._core.loops import written_out
 from ._core.program import SliceProgram
 from ._errors import MissingModelVariablesError
 from ._trees import path_str
+from .adapters import adapter_for
 
 __all__ = ["Equation", "Interpreter"]
 
@@ -43,7 +44,10 @@ class Interpreter(Hooks):
     ``[:]`` (``layers[:]/mlp``); a value emitted there comes back stacked over the
     iterations (row k from iteration k). Equation hooks see the body's equations once, with
     the loop's `index`. So observing a 24-layer scanned stack compiles about as fast as the
-    model. Set ``unroll = True`` to have every iteration written out instead, each named by
+    model. A `while_loop` whose body holds boundaries stays one `while_loop` the same way;
+    its number of iterations is known only when it runs, so its calls have only their
+    every-iteration names (``loop/step[:]``) and a value emitted there comes back as the
+    last iteration's (zeros if the loop ran no iteration). Set ``unroll = True`` to have every iteration written out instead, each named by
     its index (``layers[3]/mlp``) and hooked on its own (compile time then grows with the
     number of iterations).
 
@@ -119,7 +123,7 @@ class Interpreter(Hooks):
           ``fn(variables, *inputs) -> (output, emitted)``. For NNX models `variables` is
           ``nnx.state(model)``.
         """
-        program = SliceProgram.build(target, args, kwargs, None, None)
+        program = SliceProgram.build(target, args, kwargs, adapter=adapter_for(target))
 
         def call(variables: Any, *inputs: Any, rngs: Any = None, **kw: Any) -> Any:
             mutable = program.base.traced.split.mutable

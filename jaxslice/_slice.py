@@ -7,6 +7,7 @@ from typing import Any
 from . import _compat
 from ._core.program import SliceProgram
 from ._sliced import Sliced
+from .adapters import adapter_for
 from .adapters._base import ENTRY_POINTS
 
 
@@ -48,7 +49,7 @@ def slice(target: Any, *args: Any, start: Any = None, end: Any = None, **kwargs:
     >>> sorted(head.variables["params"])
     ['layers_2']
     """
-    program = SliceProgram.build(target, args, kwargs, start, end)
+    program = SliceProgram.build(target, args, kwargs, start, end, adapter=adapter_for(target))
     return view(program, target)
 
 

@@ -18,7 +18,6 @@ from . import _compat
 from ._core import exporting
 from ._core.program import SliceProgram
 from ._errors import SliceNotPicklableError
-from ._trees import abstract_tree
 from ._view import ProgramView
 
 
@@ -43,11 +42,10 @@ class Sliced(ProgramView):
 
     def __init__(self, program: SliceProgram):
         self._program = program
-        # Where the model holds the variables (Keras): read them at each use, and let the
-        # program keep their shapes only, not arrays the model has since replaced.
-        self._view = program.adapter.variables_view(program.target, program.variables)
-        if self._view is not None:
-            program.variables = abstract_tree(program.variables)
+        # Where the model holds the variables (Keras), they are read at each use.
+        self._view = program.variables_view
+        self._variables = program.variables
+        self._call = program.call  # the usual call (`JitCalls.call`)
 
     def _slice_program(self) -> SliceProgram:
         return self._program
@@ -55,19 +53,13 @@ class Sliced(ProgramView):
     @property
     def variables(self) -> Any:
         view = self._view
-        return self._program.variables if view is None else view()
+        return self._variables if view is None else view()
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         if kwargs:
             return self.apply(self.variables, *inputs, **kwargs)
-        program, view = self._program, self._view
-        jitted = program.calls.usual  # once made, the usual call needs nothing else
-        if jitted is not None and view is None:
-            try:
-                return jitted(program.variables, inputs)
-            except Exception:
-                pass  # `call` tries again and, where it fails, raises as jaxslice does
-        return program.call(program.variables if view is None else view(), inputs)
+        view = self._view
+        return self._call(self._variables if view is None else view(), inputs)
 
     def apply(
         self, variables: Any, *inputs: Any, rngs: Any = None, mutable: Any = False, **kwargs: Any
@@ -93,7 +85,7 @@ class Sliced(ProgramView):
             of ``sub.variables``.
         """
         if rngs is None and mutable is False and not kwargs:
-            return self._program.call(variables, inputs)
+            return self._call(variables, inputs)
         return self._program.apply(variables, inputs, kwargs, rngs, mutable)
 
     def extract(self, full_variables: Any) -> Any:

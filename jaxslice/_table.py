@@ -22,7 +22,8 @@ import jax
 
 from ._core.graph import Call, Graph
 from ._core.markers import INPUT
-from ._core.ports import Port, arguments_of, array_ids, input_leaf_order
+from ._core.ports import arguments_of, array_ids, input_leaf_order
+from ._core.selection import Selection
 from ._trees import describe_aval, join_name
 
 
@@ -210,7 +211,7 @@ def _port_avals(graph: Graph, call: Call) -> tuple[tuple[jax.ShapeDtypeStruct, .
     if call.loop is not None:
         ins, outs = call.loop_avals
         return _ordered_avals(ins, input_leaf_order(call)), _ordered_avals(outs, sorted(outs))
-    arguments = arguments_of(graph, Port(call.name, call, INPUT))
+    arguments = arguments_of(graph, Selection(call.name, call, INPUT))
     in_ids = [i for a in arguments for i in a.input_ids]
     return _avals(graph, in_ids), _avals(graph, array_ids(call.out_slots))
 

@@ -29,7 +29,7 @@ class DrawsInline:
         """SVG of `to_dot` and the text repr; the text and a note when `dot` is missing."""
         from .render import drawing_bundle
 
-        return drawing_bundle(self, include, exclude)
+        return drawing_bundle(self, self._drawing_program(), include, exclude)
 
 
 class RunsProgram:
@@ -40,6 +40,11 @@ class RunsProgram:
 
     def _slice_program(self) -> Any:
         raise NotImplementedError
+
+
+def program_of(obj: Any) -> Any:
+    """The `SliceProgram` that `obj` runs where it is a `RunsProgram`, else None."""
+    return obj._slice_program() if isinstance(obj, RunsProgram) else None
 
 
 class ProgramView(RunsProgram, DrawsInline):

@@ -26,7 +26,7 @@ from typing import Any
 from .. import _compat
 from .calls import Occurrence, call_name, calls_from_markers, index_names, number_calls
 from .graph import Eqn, Graph, LoopSite, Region, Slot
-from .jaxprs import Env, Evaluator, Finder
+from .jaxprs import Env, Evaluator, Finder, loop_rule
 from .lifted import with_lifted_calls
 from .markers import PLACEHOLDER
 from .scopes import scope_prefixes, with_scope_calls
@@ -161,13 +161,13 @@ class _Builder(Evaluator):
         self, eqn: Any, scopes: tuple[str, ...], pos: int, parent: LoopSite | None
     ) -> list[Occurrence]:
         """The markers in the bodies of a loop (or conditional) equation at `pos`."""
-        primitive = _compat.loop_primitive(eqn) or _compat.primitive_name(eqn)
-        length = _compat.scan_parts(eqn).length if primitive == "scan" else None
-        site = LoopSite(eqn, primitive, length, parent)
+        rule = loop_rule(eqn)  # None for a conditional
+        length = rule.length(eqn) if rule is not None else None
+        site = LoopSite(eqn, _compat.primitive_name(eqn), length, parent, rule)
         found: list[Occurrence] = []
         for sub in _compat.subjaxprs(eqn):
             found += self._body_markers(sub, scopes, pos, site)
-        if length is not None:
+        if rule is not None:
             index_names(found, site.depth)
         return found
 

@@ -2,8 +2,8 @@
 
 `build.py` records every marker equation it meets as an `Occurrence`, in program order;
 `calls_from_markers` groups them into `Call`s: a call's input markers, its body, then its
-output markers. A call in a scan body is one iteration of it: its name carries one
-iteration slot per enclosing scan (`index_names`). `number_calls` gives calls that share
+output markers. A call in a loop body is one iteration of it: its name carries one
+iteration slot per enclosing loop (`index_names`). `number_calls` gives calls that share
 a name their call indices.
 """
 
@@ -27,7 +27,7 @@ class Occurrence:
     pos: int
     scopes: tuple[str, ...]
     loop: LoopSite | None
-    template: str | None = None  # the call's name with iteration slots (in scan bodies)
+    template: str | None = None  # the call's name with iteration slots (in loop bodies)
     aval: Any = None  # in a loop body, the value's shape and dtype in one iteration
 
 
@@ -129,7 +129,7 @@ def _new_call(occ: Occurrence, seq: int) -> Call:
         path=record.path,
         in_seq=seq,
         record=record,
-        template=occ.template if occ.loop is not None and occ.loop.length is not None else None,
+        template=occ.template if occ.loop is not None and occ.loop.rule is not None else None,
     )
 
 
@@ -141,7 +141,7 @@ def call_name(record: CallRecord, scopes: tuple[str, ...]) -> str:
 
 
 def index_names(found: list[Occurrence], depth: int) -> None:
-    """Gives the calls of a scan body one iteration slot: after the name of the outermost
+    """Gives the calls of a loop body one iteration slot: after the name of the outermost
     call they are nested in (``layers`` -> ``layers[:]``, ``layers/attn`` ->
     ``layers[:]/attn``)."""
     names = {o.template for o in found if o.template is not None}

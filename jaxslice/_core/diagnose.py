@@ -3,6 +3,8 @@
 Each check reads the results of the pure analyses (`analysis.py`) for a planned slice
 and raises a `SliceError` whose message names the boundaries involved and a fix. A fix
 that suggests new starts is verified first: following it must give a working slice.
+A suggested start is a `Selection` made from the graph's own calls (the model's inputs
+as `ports.model_inputs`), planned as it is; its `spec` is what the message shows.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from .._trees import describe_aval
 from . import analysis
 from .graph import Call, Graph
 from .markers import INPUT, OUTPUT
-from .ports import Argument, Port, arguments_of, flat_ports, port_value_tree
+from .ports import Argument, arguments_of, flat_ports, model_inputs, port_value_tree
+from .selection import Selection
 
 
 def check_inputs(
@@ -59,10 +62,10 @@ def _same_value(
     only_inputs, how = None, "producer"
     if producer is not None and producer[1] == OUTPUT:
         made = f"the output of {producer[0].qualname!r}"
-        suggestion = [f"{producer[0].qualname}:output"]
+        suggestion = [_as_start(*producer)]
     elif vid in graph.input_ids:
         made = "an input of the model"
-        how, suggestion, only_inputs = _input_taken_twice(arguments, a[0], b[0])
+        how, suggestion, only_inputs = _input_taken_twice(graph, arguments, a[0], b[0])
     else:
         made, suggestion = "computed in the model", None
     fix = suggestion if suggestion is not None and works(suggestion) else None
@@ -71,26 +74,26 @@ def _same_value(
         second=_leaf_label(*b),
         aval=describe_aval(graph.avals[vid]),
         made=made,
-        starts=fix,
+        starts=_specs(fix) if fix is not None else None,
         how=how,
         only_inputs=only_inputs,
     )
 
 
 def _input_taken_twice(
-    arguments: Sequence[Argument], a: Argument, b: Argument
-) -> tuple[str, list[Any], str | None]:
+    graph: Graph, arguments: Sequence[Argument], a: Argument, b: Argument
+) -> tuple[str, list[Selection], str | None]:
     """``(kind of fix, starts, the start that takes only model inputs)`` for a model input
     that arguments `a` and `b` both take: without None among the starts, None added (the
     model's inputs are then taken once); with it, the named start left out, which took
     nothing but the model's inputs (or None given once, where it was given twice)."""
-    specs = list(dict.fromkeys(arg.port.spec for arg in arguments))
-    if None not in specs:
-        return "add_none", [*specs, None], None
+    ports = list({arg.port.spec: arg.port for arg in arguments}.values())
+    if all(p.spec is not None for p in ports):
+        return "add_none", [*ports, model_inputs(graph)], None
     named = a.port.spec if a.port.spec is not None else b.port.spec
     if named is None:
-        return "once", specs, None
-    return "drop", [s for s in specs if s != named], repr(named)
+        return "once", ports, None
+    return "drop", [p for p in ports if p.spec != named], repr(named)
 
 
 def _leaf_label(arg: Argument, leaf: int) -> str:
@@ -102,7 +105,7 @@ def check_connected(
     graph: Graph,
     arguments: Sequence[Argument],
     result: analysis.Cut,
-    starts: tuple[Port, ...],
+    starts: tuple[Selection, ...],
     ends: Any,
     params: Container[int] = frozenset(),
 ) -> None:
@@ -116,7 +119,7 @@ def check_connected(
     _check_used(arguments, result, starts, ends)
 
 
-def _value_ids(graph: Graph, port: Port, params: Container[int]) -> list[int]:
+def _value_ids(graph: Graph, port: Selection, params: Container[int]) -> list[int]:
     """The array values an end port yields."""
     if port.side == INPUT:
         return [i for a in arguments_of(graph, port, params) for i in a.input_ids]
@@ -125,7 +128,7 @@ def _value_ids(graph: Graph, port: Port, params: Container[int]) -> list[int]:
 
 
 def _check_used(
-    arguments: Sequence[Argument], result: analysis.Cut, starts: tuple[Port, ...], ends: Any
+    arguments: Sequence[Argument], result: analysis.Cut, starts: tuple[Selection, ...], ends: Any
 ) -> None:
     """Every start feeds some end."""
     unused = [p for p in starts if not _start_ids(arguments, p) & result.used_starts]
@@ -134,16 +137,16 @@ def _check_used(
         raise UnusedStartError(start=_start_label(unused[0]), ends=end_labels)
 
 
-def _start_ids(arguments: Sequence[Argument], port: Port) -> set[int]:
+def _start_ids(arguments: Sequence[Argument], port: Selection) -> set[int]:
     return {i for a in arguments if a.port is port for i in a.input_ids}
 
 
-def _start_label(port: Port) -> str:
+def _start_label(port: Selection) -> str:
     """A start as the user wrote it: ``'block:input'``, or ``None (the model's inputs)``."""
     return f"None ({port.label})" if port.spec is None else port.label
 
 
-def _not_dependent(port: Port, starts: tuple[Port, ...]) -> EndNotConnectedError:
+def _not_dependent(port: Selection, starts: tuple[Selection, ...]) -> EndNotConnectedError:
     labels = ", ".join(map(_start_label, starts))
     before = port.spec is not None and port.call.stop <= min(p.call.start for p in starts)
     return EndNotConnectedError.of(port.label, labels, before)
@@ -174,9 +177,9 @@ def raise_missing(
     graph: Graph,
     input_ids: Sequence[int],
     output_ids: Sequence[int],
-    starts: tuple[Port, ...] | None,
-    ends: list[Port],
-    works: Callable[[list[Any]], bool],
+    starts: tuple[Selection, ...] | None,
+    ends: list[Selection],
+    works: Callable[[list[Selection]], bool],
     params: Container[int] = frozenset(),
 ) -> None:
     """Raises `MissingInputError` naming the values to add to `start`.
@@ -187,20 +190,24 @@ def raise_missing(
     marks = landmarks(graph)
     found = graph.frontier(input_ids, output_ids, marks.__contains__)
     labels = _missing_labels(graph, found, marks)
-    what = [_describe(label, avals) for label, avals in labels.items()]
-    fixes = _fixes(graph, starts, labels, marks, found, params)
+    what = [_describe(label, avals) for label, (_, avals) in labels.items()]
+    fixes = _fixes(graph, starts, [where for where, _ in labels.values()], marks, found, params)
     fix = next((c for c in fixes if works(c)), None)
     raise MissingInputError.of(
         start=_labels(starts) if starts else "the model's inputs",
         end=_labels(ends),
         values=what,
-        starts=fix,
+        starts=_specs(fix) if fix is not None else None,
         ends=_narrower_ends(graph, input_ids, output_ids, ends, marks),
     )
 
 
 def _narrower_ends(
-    graph: Graph, input_ids: Sequence[int], output_ids: Sequence[int], ends: list[Port], marks: dict
+    graph: Graph,
+    input_ids: Sequence[int],
+    output_ids: Sequence[int],
+    ends: list[Selection],
+    marks: dict,
 ) -> list[str] | None:
     """For a slice to the model's whole output of which only some values need what is
     missing (an extra output, such as a cache of earlier layers' values): the boundaries
@@ -214,27 +221,26 @@ def _narrower_ends(
     return list(dict.fromkeys(named))
 
 
-def _labels(ports: Sequence[Port]) -> str:
+def _labels(ports: Sequence[Selection]) -> str:
     return ", ".join(p.label for p in ports)
 
 
 def _fixes(
     graph: Graph,
-    starts: tuple[Port, ...] | None,
-    labels: dict,
+    starts: tuple[Selection, ...] | None,
+    additions: list[Selection],
     marks: dict,
     found: list[int],
     params: Container[int],
-) -> list[list[Any]]:
+) -> list[list[Selection]]:
     """Candidate starts: the current ones plus the missing values' ports, and the same
     without current starts whose inputs those ports already provide (a block's input that
     is part of the previous block's output)."""
     current = list(starts or ())
-    additions = [_as_start(label) for label in labels]
     kept = _not_provided(graph, current, _provided(found, marks), params)
-    candidates = [_specs(current) + additions, _specs(kept) + additions]
+    candidates = [current + additions, kept + additions]
     if current and _derived_only(graph, found):
-        candidates.insert(0, [*_specs(current), None])
+        candidates.insert(0, [*current, model_inputs(graph)])
     return _unique(candidates)
 
 
@@ -244,17 +250,18 @@ def _provided(found: list[int], marks: dict) -> set[int]:
 
 
 def _not_provided(
-    graph: Graph, ports: list[Port], provided: set[int], params: Container[int]
-) -> list[Port]:
+    graph: Graph, ports: list[Selection], provided: set[int], params: Container[int]
+) -> list[Selection]:
     return [p for p in ports if not _start_values(graph, p, params) <= provided]
 
 
-def _specs(ports: list[Port]) -> list[Any]:
+def _specs(ports: list[Selection]) -> list[Any]:
     return [p.spec for p in ports]
 
 
-def _unique(candidates: list[list[Any]]) -> list[list[Any]]:
-    return [c for i, c in enumerate(candidates) if c not in candidates[:i]]
+def _unique(candidates: list[list[Selection]]) -> list[list[Selection]]:
+    written = [_specs(c) for c in candidates]
+    return [c for i, c in enumerate(candidates) if written[i] not in written[:i]]
 
 
 def _derived_only(graph: Graph, found: list[int]) -> bool:
@@ -267,21 +274,24 @@ def _port_slots(call: Call, side: str) -> list[Any]:
     return call.out_slots if side == OUTPUT else call.in_slots
 
 
-def _start_values(graph: Graph, port: Port, params: Container[int]) -> set[int]:
+def _start_values(graph: Graph, port: Selection, params: Container[int]) -> set[int]:
     return {i for a in arguments_of(graph, port, params) for i in a.input_ids}
 
 
-def _missing_labels(graph: Graph, found: list[int], marks: dict) -> dict[str | None, list[Any]]:
-    """``{port label: shapes}`` of the missing values (None: the model's own input)."""
-    model_inputs = set(graph.input_ids)
-    labels: dict[str | None, list[Any]] = {}
+def _missing_labels(
+    graph: Graph, found: list[int], marks: dict
+) -> dict[str | None, tuple[Selection, list[Any]]]:
+    """``{port label: (its start, shapes)}`` of the missing values (None: the model's own
+    input)."""
+    inputs = set(graph.input_ids)
+    labels: dict[str | None, tuple[Selection, list[Any]]] = {}
     for v in found:
         if v in marks:
             call, side = marks[v]
             label = call.qualname if side == OUTPUT else f"{call.qualname}:input"
-            labels.setdefault(label, []).append(graph.avals[v])
-        elif v in model_inputs:
-            labels.setdefault(None, [])
+            labels.setdefault(label, (_as_start(call, side), []))[1].append(graph.avals[v])
+        elif v in inputs:
+            labels.setdefault(None, (model_inputs(graph), []))
     return labels
 
 
@@ -293,7 +303,6 @@ def _describe(label: str | None, avals: list[Any]) -> str:
     return f"the {port or 'output'} of {name!r} ({shapes})"
 
 
-def _as_start(label: str | None) -> str | None:
-    if label is None or label.endswith(":input"):
-        return label
-    return f"{label}:output"
+def _as_start(call: Call, side: str) -> Selection:
+    """The start at a call's side, written ``name:output`` or ``name:input``."""
+    return Selection(f"{call.qualname}:{side}", call, side)

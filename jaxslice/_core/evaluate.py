@@ -14,7 +14,8 @@ the body jaxpr with the same rules:
   hooks as one value (the call's arguments, or its result), and dropped;
 * a call-like equation (jit, remat, custom_jvp/vjp) whose body holds boundaries runs its
   body inline, so its calls are seen (as at the top level, where the graph inlines them);
-* a `scan` whose body holds boundaries **stays a scan**: a new `lax.scan` whose body is
+* a loop (`scan`, `while`: those with a `jaxprs.LoopRule`) whose body holds boundaries
+  **stays a loop of its kind**: a new `lax.scan` or `lax.while_loop` whose body is
   evaluated by these same rules, so hooks run once, at trace time, on one iteration's
   values, and see its calls by their per-iteration names with ``[:]``
   (``layers[:]/mlp``); the iteration index is carried along (`BoundaryEvent.rows`), so
@@ -23,11 +24,13 @@ the body jaxpr with the same rules:
 * every other equation is bound as it is.
 
 Values hooks compute inside a loop body and want outside it (an interpreter's `emit`)
-leave the loop as extra stacked results (`Hooks.open_loop`/`close_loop`/`leave_loop`).
+leave the loop as extra results (`Hooks.open_loop`/`close_loop`/`leave_loop`): stacked
+over a scan's iterations, the last iteration's from a `while` (its number of iterations is
+known only when it runs).
 
 Sharp edges: hooks that replace a value must keep its structure, shapes and dtypes inside
-a loop body (a scan's carry is fixed); a replaced input is seen only by the call's own
-equations. Boundaries in `while` and `cond` bodies are not shown (those run as they are).
+a loop body (a loop's carry is fixed); a replaced input is seen only by the call's own
+equations. Boundaries in `cond` branches are not shown (those run as they are).
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ from .. import _compat
 from .._errors import HookStructureError
 from .emit import assemble
 from .graph import Call, Graph, innermost
-from .jaxprs import Env, Evaluator, Finder, carried_scan
+from .jaxprs import Env, Evaluator, Finder, LoopRule
 from .markers import INPUT, PLACEHOLDER
-from .names import STACKED, fill
-from .ports import Port, array_ids, port_value_tree
+from .names import STACKED
+from .ports import array_ids, port_value_tree
+from .selection import Selection
 
 # --------------------------------------------------------------------------- hooks
 
@@ -58,9 +62,9 @@ class BoundaryEvent:
       call: the call as the traced graph lists it.
       side: ``"input"`` or ``"output"``.
       value: the call's array arguments (one, or a tuple of them) or its result pytree.
-      path: for a call inside scans, per enclosing scan (outermost first), the iteration
-        it runs in where that is fixed, or ``":"`` inside a scan.
-      rows: per enclosing scan, the iteration index (a traced int32).
+      path: for a call inside loops, per enclosing loop (outermost first), the iteration
+        it runs in where that is fixed, or ``":"`` inside a loop run as a loop.
+      rows: per enclosing loop, the iteration index (a traced int32).
     """
 
     call: Call
@@ -70,20 +74,20 @@ class BoundaryEvent:
     rows: tuple[Any, ...] = ()
 
     @property
+    def where(self) -> Selection:
+        """The event's record (`selection.Selection`): the call, the side and the
+        iterations; a hook that was given a record meets the event by equality."""
+        return Selection(self.call.qualname, self.call, self.side, tuple(self.path))
+
+    @property
     def name(self) -> str:
         """The call's qualified name (``block/conv``, ``layers[:]/mlp``, ``layers[3]/mlp``)."""
-        return self._named(self.path)
+        return self.where.name
 
     @property
     def stacked_name(self) -> str:
         """The name of this call in every iteration (``layers[:]/mlp``); `name` elsewhere."""
-        return self._named(tuple(STACKED for _ in self.path))
-
-    def _named(self, path: tuple[Any, ...]) -> str:
-        if not path or self.call.template is None:
-            return self.call.qualname
-        name = fill(self.call.template, path)
-        return name if self.call.count == 1 else f"{name}@{self.call.index}"
+        return self.where.every().name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +135,8 @@ class Hooks:
         return {}
 
     def leave_loop(self, values: dict[Any, Any]) -> None:
-        """Receives `close_loop`'s values stacked over the loop's iterations."""
+        """Receives `close_loop`'s values stacked over a scan's iterations (from a
+        `while`: the last iteration's, zeros where it ran none)."""
 
 
 def _leaves_like(new: Any, value: Any, name: str, side: str) -> list[Any]:
@@ -231,7 +236,7 @@ def _boundaries(
     """The boundary events at equation position `pos`, in order."""
     env.advance(pos)
     for _, side, call in events:
-        tree = port_value_tree(graph, Port(call.qualname, call, side))
+        tree = port_value_tree(graph, Selection(call.qualname, call, side))
         ids = array_ids(jax.tree_util.tree_leaves(tree))
         value = assemble(tree, [env.read(v, pos) for v in ids])
         new = hooks.on_boundary(BoundaryEvent(call, side, value))
@@ -250,7 +255,7 @@ def _boundaries(
 @dataclasses.dataclass
 class _At:
     """Where equations run, as hooks see them: the flat position, the scopes, the calls
-    open around them (innermost last), and the iteration of each enclosing scan."""
+    open around them (innermost last), and the iteration of each enclosing loop."""
 
     pos: int
     scopes: tuple[str, ...]
@@ -316,7 +321,7 @@ class _RuleEnv(Env):
 
 
 class _Rules(Evaluator):
-    """The rules for equations: markers shown to the hooks, loops kept as scans,
+    """The rules for equations: markers shown to the hooks, loops kept as loops,
     call-like bodies with boundaries inline, every equation bound shown to the
     equation hook."""
 
@@ -335,10 +340,21 @@ class _Rules(Evaluator):
 
     # ------------------------------------------------------------------ the rules
 
-    def scan(self, eqn: Any, ins: list[Any], env: _RuleEnv, at: _At) -> list[Any]:
+    def loop(self, eqn: Any, rule: LoopRule, ins: list[Any], env: _RuleEnv, at: _At) -> list[Any]:
+        """A loop whose body holds boundaries stays a loop of its kind, its body run once
+        through the rules, the iteration index carried for the hooks (`LoopRule.run`)."""
         if not self.holds(eqn):
             return self.other(eqn, ins, env, at)
-        return self._scan(eqn, ins, at, env.params_of(eqn))
+
+        def step(jaxpr: Any, consts: Any, args: list[Any], i: Any, free: list[bool]) -> Any:
+            token = self.hooks.open_loop()
+            outs = self.body(jaxpr, consts, args, at.inside(i), free)
+            return outs, self.hooks.close_loop(token)
+
+        outs, leaving = rule.run(eqn, ins, env.params_of(eqn), step)
+        if leaving:
+            self.hooks.leave_loop(dict(leaving))
+        return outs
 
     def call(
         self, eqn: Any, body: tuple[Any, Sequence[Any]], ins: list[Any], env: _RuleEnv, at: _At
@@ -406,38 +422,6 @@ class _Rules(Evaluator):
             env.overlays.append((id(record), replaced))
         else:
             env.values.update(replaced)
-
-    # ------------------------------------------------------------------ scans
-
-    def _scan(self, eqn: Any, ins: list[Any], at: _At, free: Sequence[bool]) -> list[Any]:
-        """A scan whose body holds boundaries, as a new scan whose body runs through the
-        rules, with the iteration index carried for the hooks."""
-        parts = _compat.scan_parts(eqn)
-        n, nc, nk = parts.length, parts.num_consts, parts.num_carry
-        if n == 0:
-            return _compat.bind_eqn(eqn, ins)
-        consts = ins[:nc]
-        # A row of a stacked variable is a variable of the iteration; the carry is not.
-        body_free = [*free[:nc], *[False] * nk, *free[nc + nk :]]
-
-        def step(c: list[Any], i: Any, x: list[Any]) -> Any:
-            token = self.hooks.open_loop()
-            args = [*consts, *c, *x]
-            outs = self.body(parts.jaxpr, parts.consts, args, at.inside(i), body_free)
-            leaving = self.hooks.close_loop(token)
-            return outs[:nk], (outs[nk:], leaving)
-
-        carry, (ys, leaving) = carried_scan(
-            step,
-            ins[nc : nc + nk],
-            list(ins[nc + nk :]),
-            rows=(0, n),
-            reverse=parts.reverse,
-            unroll=parts.unroll,
-        )
-        if leaving:
-            self.hooks.leave_loop(dict(leaving))
-        return [*carry, *ys]
 
 
 def _side_refs(record: Any, side: str, is_param: Any) -> Any:

@@ -73,6 +73,7 @@ class LoopSite:
     primitive: str
     length: int | None  # iterations of a scan; None where there is no static count
     parent: LoopSite | None = None
+    rule: Any = None  # its `jaxprs.LoopRule`; None for a conditional (no iterations)
 
     def chain(self) -> list[LoopSite]:
         """The loops around a boundary, outermost first, ending with this one."""
@@ -262,7 +263,7 @@ class Graph:
         eqns = [
             i
             for i, e in enumerate(self.eqns)
-            if owner[i] is None and _compat.loop_primitive(e.jax_eqn) is None
+            if owner[i] is None and not _compat.is_loop(e.jax_eqn)
         ]
         found = analysis.computable(self.edges, self.input_ids, self.is_free, eqns)
         return frozenset(found - set(self.input_ids))

@@ -8,16 +8,25 @@ jaxslice's lookup and checks run when that function traces, and a call whose lea
 differ in any way traces, and is checked, again. A repeated call costs what a jitted
 function costs.
 
-Which calls take the jitted path is decided before the call, from the inputs: every leaf
-must be an array (`jax.Array`, NumPy's arrays and scalars); a call with strings, objects or
-Python numbers (which `jax.jit` would turn into arrays where the trace fixed them) goes
-through `apply_checked`, and later calls with arrays are jitted again. Random keys
-(`rngs`), keyword inputs and ``strict=False`` are never jitted here. Two things only
-`jax.jit`'s own trace can tell, so they are learnt at the first trace of a kind of call
-and that kind stays on the checked path from then on: variables with leaves that are not
-arrays, and outputs that hold constants of the trace (`NotJittable`). jaxslice's own errors
-raised while jit traces (a wrong shape) are raised again by `apply_checked`, without JAX's
-frames.
+Which path a call takes is decided before it runs, from facts, never by trying:
+
+- from its inputs, on every call: every leaf must be an array (`jax.Array`, NumPy's
+  arrays and scalars). A call with strings, objects or Python numbers (which `jax.jit`
+  would turn into arrays where the trace fixed them) takes the checked path, and later
+  calls with arrays are jitted again. Calls with random keys (`rngs`), keyword inputs,
+  ``strict=False`` or a mode value that does not hash are never jitted here.
+- from the kind of call (its key: mode, `mutable`, the model's structure), once, at its
+  first call: the entry that call looks up, and the variables it is given. Outputs that
+  hold constants of the trace (`Entry.static_outputs`, which `jax.jit` would return as
+  arrays) or variables with leaves that are not arrays send that kind down the checked
+  path for good; any other kind gets its jitted function. The decision is stored with
+  the key (`JitCalls.paths`). Should a later trace of a jitted kind (another batch size)
+  return a constant, it comes back as an array, as from any jitted function.
+
+A jitted call that fails is reported as jaxslice reports errors: the checked path runs
+with the same arguments and raises jaxslice's own error (a wrong shape) without JAX's
+frames; where it finds nothing wrong, JAX's error stands. A failure never sends a call,
+or a kind of call, down another path.
 """
 
 from __future__ import annotations
@@ -31,20 +40,13 @@ import numpy as np
 
 from .._caches import LRU
 from .._errors import SliceError
-from .._trees import is_array, is_traced_leaf
+from .._trees import hashable, is_array, is_traced_leaf
 from .checks import check_alive, mode_value
 
-#: errors after which a call is redone with `apply_checked`: jaxslice's own (raised again
-#: without JAX's frames), `NotJittable`, and those of variables `jax.jit` cannot take
-_REDO = (TypeError, SliceError)
 #: the types of the leaves `jax.jit` takes as they are (`is_array`) seen so far, for the
 #: quick test ``type(x) in _ARRAY_TYPES`` (JAX's array type is known only once one exists)
 _ARRAY_TYPES = {np.ndarray}
-_CHECKED = object()  # calls of this key go through `apply_checked`
-
-
-class NotJittable(SliceError):
-    """The outputs of this call hold constants of the trace (`Entry.static_outputs`)."""
+CHECKED = "checked"  # the path of the kinds of calls `jax.jit` does not take
 
 
 class JitCalls:
@@ -53,13 +55,15 @@ class JitCalls:
 
     def __init__(self, program: Any, maxsize: int):
         self._program = weakref.ref(program)
-        self._jits = LRU(maxsize)  # key -> jitted `apply_checked`, or `_CHECKED`
+        #: key -> the path of that kind of call, decided at its first call: its jitted
+        #: function, or `CHECKED`
+        self.paths = LRU(maxsize)
         # Without a structure key, the target (which a program never swaps) decides the
         # program: the usual call's key is a constant.
         fixed = program.adapter.structure_key(program.target) is None
         self._usual_key = (None,) if fixed else None
-        #: with that constant key, the usual call's jitted function once made (None
-        #: before, and after calls of that kind left `jax.jit`); `Sliced` calls it directly
+        #: with that constant key, the usual call's jitted function once decided (None
+        #: before, and where that kind is checked); `call` runs it directly
         self.usual = None
 
     def apply(
@@ -72,94 +76,92 @@ class JitCalls:
         strict: bool = True,
     ) -> Any:
         """`SliceProgram.apply`: through the jitted function of this kind of call where
-        there is one, else (and to raise any error) through `apply_checked`."""
+        it has one, else through `apply_checked`."""
         program = self._program()
         modes = {k: v for k, v in kwargs.items() if k not in program.keywords}
         if any(map(is_traced_leaf, modes.values())):  # an array mode (`train=jnp.asarray(True)`)
             program.check_mode(modes)  # an unknown keyword is named as such, not as a mode
             kwargs = {**kwargs, **{k: mode_value(k, v) for k, v in modes.items()}}
         key = self._key(program, kwargs, rngs, mutable, strict) if _arrays(inputs) else None
-        try:
-            jitted = self._jits.peek(key) or self._new_jitted(key, kwargs, mutable)
-        except TypeError:  # an unhashable mode value or structure key
-            jitted = _CHECKED
-        if jitted is _CHECKED:
+        path = CHECKED if key is None else self.paths.peek(key)
+        if path is None:
+            path = self._decide(key, variables, inputs, kwargs, mutable)
+        if path is CHECKED:
             return program.apply_checked(variables, inputs, kwargs, rngs, mutable, strict)
         try:
-            return jitted(variables, inputs)
-        except _REDO:
-            pass  # outside the handler, so that an error raised again is not chained
-        except RuntimeError:
-            check_alive(variables, inputs)
-            raise
-        return self._redo(key, variables, inputs, kwargs, rngs, mutable, strict)
+            return path(variables, inputs)
+        except (TypeError, SliceError, RuntimeError) as error:
+            failed = error  # reported outside the handler: jaxslice's error is not chained
+        raise self._reported(failed, variables, inputs, kwargs, mutable)
 
     def call(self, variables: Any, inputs: tuple[Any, ...]) -> Any:
         """``apply(variables, inputs, {})``, the usual call (``sub(x)``), by the shortest
         path: one attribute read (with a structure key, one dict read) and the jitted
         function."""
-        jitted, key = self.usual, self._usual_key
+        jitted = self.usual
         for x in inputs:  # as `_arrays`, with the quick test inline (this is every call)
             if type(x) not in _ARRAY_TYPES and not _arrays(x):
                 return self.apply(variables, inputs, {})
         if jitted is None:
-            if key is None:  # as `_key`
-                program = self._program()
-                key = (program.adapter.structure_key(program.target),)
-            try:
-                jitted = self._jits.peek(key)
-            except TypeError:  # an unhashable structure key
-                jitted = None
-            if jitted is None or jitted is _CHECKED:
+            if self._usual_key is not None:  # not decided yet, or checked
+                return self.apply(variables, inputs, {})
+            program = self._program()
+            jitted = self.paths.peek(_hashed((program.adapter.structure_key(program.target),)))
+            if jitted is None or jitted is CHECKED:
                 return self.apply(variables, inputs, {})
         try:
             return jitted(variables, inputs)
-        except _REDO:
-            pass
-        except RuntimeError:
+        except (TypeError, SliceError, RuntimeError) as error:
+            failed = error
+        raise self._reported(failed, variables, inputs, {})
+
+    def _decide(self, key: Any, variables: Any, inputs: Any, kwargs: Any, mutable: Any) -> Any:
+        """The path of the calls of `key`, decided from its first call: the entry it looks
+        up (which checks the inputs: a bad call raises here and decides nothing) and the
+        variables it is given."""
+        entry, _ = self._program().lookup(inputs, kwargs, None, mutable)
+        if entry.static_outputs or not _arrays(variables):
+            path = CHECKED
+        else:
+            traced = functools.partial(_jitted_apply, self._program, dict(kwargs), mutable)
+            path = jax.jit(traced)
+            if key == self._usual_key:
+                self.usual = path
+        self.paths.put(key, path)
+        return path
+
+    def _reported(
+        self, error: Exception, variables: Any, inputs: Any, kwargs: Any, mutable: Any = False
+    ) -> Exception:
+        """The error of a failed jitted call as jaxslice reports it: an array deleted
+        since (`check_alive`), or the error the checked path raises for these arguments;
+        `error` itself where neither finds one."""
+        if isinstance(error, RuntimeError):
             check_alive(variables, inputs)
-            raise
-        return self._redo(key, variables, inputs, {})
-
-    def _redo(self, key: Any, variables: Any, inputs: Any, kwargs: Any, *rest: Any) -> Any:
-        """`apply_checked` after the jitted function failed: it raises the error as jaxslice
-        does, or, if the arguments are fine but not for `jax.jit`, calls of this key are
-        not jitted from now on."""
-        out = self._program().apply_checked(variables, inputs, kwargs, *rest)
-        self._jits.put(key, _CHECKED)
-        if self._is_usual(key):
-            self.usual = None
-        return out
-
-    def _is_usual(self, key: Any) -> bool:
-        return self._usual_key is not None and key == self._usual_key
+        else:
+            self._program().apply_checked(variables, inputs, kwargs, None, mutable)
+        return error
 
     @staticmethod
     def _key(program: Any, kwargs: dict[str, Any], rngs: Any, mutable: Any, strict: bool) -> Any:
         """The key of the jitted function for a call, or None where calls of this kind are
         not jitted: random keys (`jax.jit` would take Python numbers as keys), keyword
-        inputs, ``strict=False``."""
+        inputs, ``strict=False``, a mode value or structure key that does not hash."""
         if rngs is not None or not strict or not program.keywords.isdisjoint(kwargs):
             return None
         structure = program.adapter.structure_key(program.target)
         if mutable is False and not kwargs:
-            return (structure,)  # the usual call's key (`call`)
+            return _hashed((structure,))  # the usual call's key (`call`)
         collections = tuple(mutable) if isinstance(mutable, list) else mutable
-        # Each mode with its type (``train=1`` and ``train=True`` are equal), as itself: a
-        # value that does not hash goes through `apply_checked`.
+        # Each mode with its type (``train=1`` and ``train=True`` are equal), as itself.
         modes = tuple((k, type(v), v) for k, v in kwargs.items())
-        return modes, collections, structure
+        return _hashed((modes, collections, structure))
 
-    def _new_jitted(self, key: Any, kwargs: dict[str, Any], mutable: Any) -> Any:
-        """`apply_checked` under `jax.jit` for calls of this key (`_CHECKED` for None)."""
-        if key is None:
-            return _CHECKED
-        traced = functools.partial(_jitted_apply, self._program, dict(kwargs), mutable)
-        jitted = jax.jit(traced)
-        self._jits.put(key, jitted)
-        if self._is_usual(key):
-            self.usual = jitted
-        return jitted
+
+def _hashed(key: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """`key`, or None where it does not hash (such calls are not jitted: the jitted
+    function of a mode is made for that mode's value)."""
+    return key if hashable(key) is key else None
 
 
 def _arrays(tree: Any) -> bool:

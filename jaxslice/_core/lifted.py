@@ -61,11 +61,13 @@ def _whole_loops(g: Graph, calls: list[Call], readers: dict[int, list[int]]) -> 
 
 
 def _is_lifted(c: Call, outside: set[str]) -> bool:
-    """Whether `c` is the module a top-level scan's body calls, called nowhere else."""
+    """Whether `c` is the module a top-level scan's body calls, called nowhere else (a
+    loop without counted iterations, a `while`, is no lifted module)."""
     loop = c.loop
     if loop is None or loop.parent is not None or not c.is_module or c.template is None:
         return False
-    return c.template == c.record.name + iteration_slot(0) and c.record.name not in outside
+    own = c.template == c.record.name + iteration_slot(0) and c.record.name not in outside
+    return own and loop.rule.counted
 
 
 def _loop_as_call(g: Graph, readers: dict[int, list[int]], c: Call) -> Call:
@@ -80,7 +82,7 @@ def _loop_as_call(g: Graph, readers: dict[int, list[int]], c: Call) -> Call:
     eqn = g.eqns[pos]
     ins, starts = zip(*(_unmoved_operand(g, readers, v, pos) for v in eqn.ins), strict=True)
     outs, stops = zip(*(_unmoved_result(g, readers, v, pos) for v in eqn.outs), strict=True)
-    ports = _caller_ports(eqn.jax_eqn, c.record)
+    ports = _caller_ports(eqn.jax_eqn, c.loop.rule, c.record)
     trees = _loop_trees(ins, outs) if ports is None else _call_trees(c.record, ins, outs, *ports)
     return dataclasses.replace(
         c,
@@ -140,10 +142,10 @@ def _loop_trees(ins: Sequence[int], outs: Sequence[int]) -> dict[str, Any]:
     }
 
 
-def _caller_ports(eqn: Any, record: CallRecord) -> tuple[dict, dict] | None:
+def _caller_ports(eqn: Any, rule: Any, record: CallRecord) -> tuple[dict, dict] | None:
     """For a call made once per iteration directly in a scan body: ``({input leaf: loop
     operand}, {output leaf: loop result})``, or None where a leaf is not one of them."""
-    found = body_ports(_compat.scan_parts(eqn).jaxpr).get(id(record))
+    found = body_ports(rule.body(eqn)).get(id(record))
     return None if found is None else (found[1][INPUT], found[1][OUTPUT])
 
 

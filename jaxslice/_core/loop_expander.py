@@ -1,9 +1,9 @@
 """The evaluator `loops.expand` traces with: a program again, its named loops in pieces.
 
-`Expander` gives `jaxprs.Evaluator` its rules for markers, scans and call-like
+`Expander` gives `jaxprs.Evaluator` its rules for markers, loops and call-like
 equations: it runs a jaxpr's equations one by one in the current trace, following a
 `loop_requests.Body` (`Ctx.body`). A loop it names is run piece by piece
-(`Expander.loop`): the ranges of rows between named iterations as `lax.scan`s, each
+(`Expander.in_pieces`): the ranges of rows between named iterations as `lax.scan`s, each
 named iteration written out equation by equation under its own path, with the markers of
 its calls bound again as that iteration's calls (`Expander.record` makes one renamed
 `CallRecord` per call and path). Values that stacked names take are collected per piece
@@ -28,7 +28,7 @@ import numpy as np
 from .. import _compat
 from .._errors import LoopNotWholeError
 from .build import RowMark, boundary_finder
-from .jaxprs import Env, Evaluator, Finder, carried_scan, row
+from .jaxprs import Env, Evaluator, Finder, LoopRule, ScanRule, carried_scan, row
 from .lifted import body_ports
 from .loop_requests import Body, Edge, Loop, carry_ports, merged, only_record, pieces
 from .loop_rows import Derived, Fixed, Frame, Run, Stack, concat
@@ -83,17 +83,20 @@ class Expander(Evaluator):
             self.fixed.note(m.invars, ins, outs)
             env.write(m.outvars, outs)
 
-    def scan(self, eqn: Any, ins: list[Any], env: Env, ctx: Ctx) -> list[Any]:
+    def loop(self, eqn: Any, rule: LoopRule, ins: list[Any], env: Env, ctx: Ctx) -> list[Any]:
         """A loop the request names (as a whole call, or by its iterations) runs in
-        pieces; so does one holding markers inside a loop written out (one piece)."""
+        pieces; so does one holding markers inside a loop written out (one piece). Only
+        loops with counted iterations (scans) are split; others run as they are."""
+        if not isinstance(rule, ScanRule):
+            return self.other(eqn, ins, env, ctx)
         whole = ctx.body.wholes.get(id(eqn))
         if whole is not None:
-            return self.whole(eqn, ins, whole, ctx)
+            return self.whole(eqn, rule, ins, whole, ctx)
         loop = ctx.body.loops.get(id(eqn))
         if loop is not None:
-            return self.loop(eqn, ins, loop, ctx)
+            return self.in_pieces(eqn, rule, ins, loop, ctx)
         if self._looks_inside(eqn, ctx):  # a scan not named: one piece, no markers
-            return self.loop(eqn, ins, Loop(), ctx)
+            return self.in_pieces(eqn, rule, ins, Loop(), ctx)
         return self.other(eqn, ins, env, ctx)
 
     def call(self, eqn: Any, body: Any, ins: list[Any], env: Env, ctx: Ctx) -> list[Any]:
@@ -112,16 +115,18 @@ class Expander(Evaluator):
         """Whether a loop to split is inside `eqn` (a jit around the model, say)."""
         return Finder(lambda e: id(e) in body.loops).inside(eqn)
 
-    def whole(self, eqn: Any, ins: list[Any], record: CallRecord, ctx: Ctx) -> list[Any]:
+    def whole(
+        self, eqn: Any, rule: ScanRule, ins: list[Any], record: CallRecord, ctx: Ctx
+    ) -> list[Any]:
         """A loop named as a whole call (``outer[2]/inner``): the call its body makes
         once per iteration, marked on the loop's own operands and results, which are
         what that call's caller passes and gets back."""
-        ports = body_ports(_compat.scan_parts(eqn).jaxpr).get(id(record))
+        ports = body_ports(rule.body(eqn)).get(id(record))
         if ports is None or not ports[1][INPUT]:
             raise LoopNotWholeError(name=self.record(record, ctx.path).name)
         for leaf, j in ports[1][INPUT].items():
             self.emit(record, ctx.path, INPUT, leaf, ins[j], ctx)
-        outs = self.loop(eqn, ins, ctx.body.loops.get(id(eqn)) or Loop(), ctx)
+        outs = self.in_pieces(eqn, rule, ins, ctx.body.loops.get(id(eqn)) or Loop(), ctx)
         for leaf, j in ports[1][OUTPUT].items():
             self.emit(record, ctx.path, OUTPUT, leaf, outs[j], ctx)
         return outs
@@ -162,8 +167,8 @@ class Expander(Evaluator):
 
     # ------------------------------------------------------------------ loops
 
-    def loop(self, eqn: Any, ins: list[Any], req: Loop, ctx: Ctx) -> list[Any]:
-        run = Run.of(eqn, ins, req, len(ctx.path), self.fixed)
+    def in_pieces(self, eqn: Any, rule: ScanRule, ins: list[Any], req: Loop, ctx: Ctx) -> list[Any]:
+        run = Run.of(eqn, rule.parts(eqn), ins, req, len(ctx.path), self.fixed)
         edges = self.edges(run.parts, req, ctx)
         cut = pieces(run.parts.length, req.splits, edges, run.parts.reverse)
         token = self._token(ctx)

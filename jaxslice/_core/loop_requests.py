@@ -1,6 +1,6 @@
 """What to do with each loop a slice's names point into, and the pieces it is cut into.
 
-`request` turns the names (`names.LoopRef`) into a tree that follows the program's
+`request` turns the records of the names (`selection.Selection`) into a tree that follows the program's
 nesting: a `Body` (the program, or one loop body) holds, per loop equation in it, a
 `Loop`: the iterations to write out (each a `Body` again) and the `Body` of the values
 to stack over every iteration. `pieces` then cuts a loop's rows into the ranges that run
@@ -19,7 +19,8 @@ from typing import Any
 from .. import _compat
 from .lifted import body_ports
 from .markers import INPUT, OUTPUT, CallRecord
-from .names import STACKED, LoopRef
+from .names import STACKED
+from .selection import Selection
 
 # --------------------------------------------------------------------------- requests
 
@@ -43,7 +44,7 @@ class Loop:
     stacked: Body | None = None
 
 
-def request(refs: Sequence[LoopRef]) -> Body:
+def request(refs: Sequence[Selection]) -> Body:
     """The loops to split, and how, for these names."""
     root = Body()
     for ref in refs:

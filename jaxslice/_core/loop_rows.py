@@ -102,9 +102,9 @@ class Run:
         return concat([self.piece(v, r) for v, r in zip(values, ranges, strict=True)])
 
     @classmethod
-    def of(cls, eqn: Any, ins: list[Any], req: Loop, depth: int, fixed: Fixed) -> Run:
-        """The run of loop `eqn` on `ins`, inside `depth` loops (its iteration's path)."""
-        parts = _compat.scan_parts(eqn)
+    def of(cls, eqn: Any, parts: Any, ins: list[Any], req: Loop, depth: int, fixed: Fixed) -> Run:
+        """The run of scan `eqn` (its `parts`) on `ins`, inside `depth` loops (its
+        iteration's path)."""
         nc, nk = parts.num_consts, parts.num_carry
         frame = None
         if req.stacked is not None:

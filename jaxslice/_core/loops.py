@@ -2,9 +2,9 @@
 
 A call inside a `scan` body runs once per iteration. A name such as ``layers[2]/attn``
 (one iteration) or ``layers[:]/attn`` (every iteration, stacked) is resolved against the
-traced graph, where that call is listed once with its loop (a `names.LoopRef`). `expand`
-then traces the program again, evaluating its equations one by one, with each loop that
-a name points into split into pieces:
+traced graph, where that call is listed once with its loop (a `selection.Selection`
+whose path picks the iterations). `expand` then traces the program again, evaluating
+its equations one by one, with each loop that a name points into split into pieces:
 
 * the iterations before and after a named one run as `lax.scan`s over row ranges of the
   stacked operands, so stacked parameters stay whole arrays of the program, and the rows
@@ -50,66 +50,68 @@ from .loop_expander import Ctx, Expander
 from .loop_requests import request
 from .loop_rows import Fixed, mark_state_rows
 from .markers import INPUT, OUTPUT
-from .names import LoopRef, Resolver, fill, parse
 from .ports import spec_items
+from .selection import Name, Selection, resolver_of
+
+#: a name that picks iterations (None for one made here), and its record
+Looped = tuple[Name | None, Selection]
 
 
-def loop_refs(graph: Graph, start: Any, end: Any) -> list[LoopRef]:
-    """The names in `start` and `end` that pick iterations of calls inside scans."""
-    resolver = Resolver(graph)
-    specs = [(spec, INPUT) for spec in spec_items(start)]
-    specs += [(_name_of(spec), OUTPUT) for spec in spec_items(end)]
-    found = [(spec, resolver.loop_ref(spec, port)) for spec, port in specs]
-    refs = [ref for _, ref in found if ref is not None]
-    if refs:
-        resolver.check_wholes([spec for spec, ref in found if ref is None], refs)
-    return refs
-
-
-def _name_of(spec: Any) -> Any:
-    return getattr(spec, "name", spec) if not isinstance(spec, str) else spec
+def loop_selections(graph: Graph, start: Any, end: Any) -> list[Looped]:
+    """The names in `start` and `end` (parsed, `ports.parsed`) that pick iterations of
+    calls inside scans, each with its record in `graph`."""
+    resolver = resolver_of(graph)
+    names = [(name, INPUT) for name in spec_items(start)]
+    names += [(getattr(name, "name", name), OUTPUT) for name in spec_items(end)]
+    found = [(name, resolver.in_loops(name, side)) for name, side in names]
+    looped = [(name, where) for name, where in found if where is not None]
+    if looped:
+        resolver.check_wholes(
+            [name for name, where in found if where is None], [w for _, w in looped]
+        )
+    return looped
 
 
 def written_out(graph: Graph) -> Graph:
     """The graph with every iteration of every scan that holds boundaries written out, so
     that each iteration's calls are ordinary calls (what an interpreter walks)."""
-    refs = [ref for call in graph.calls for ref in _every_iteration(call)]
-    return expanded(graph, refs, state_rows=False) if refs else graph
+    looped = [(None, where) for call in graph.calls for where in _every_iteration(call)]
+    return expanded(graph, looped, state_rows=False) if looped else graph
 
 
-def _every_iteration(call: Any) -> list[LoopRef]:
-    """A name for each iteration of a call inside scans (none for other calls)."""
+def _every_iteration(call: Any) -> list[Selection]:
+    """A record of each iteration of a call inside scans (none for other calls)."""
     sites = call.loop.chain() if call.template is not None else []
     if not sites or any(site.length is None for site in sites):
         return []
     paths = itertools.product(*(range(site.length) for site in sites))
-    return [LoopRef(f"{fill(call.template, p)}@{call.index}", call, p, INPUT) for p in paths]
+    return [Selection(None, call, INPUT, p) for p in paths]
 
 
 #: expanded graphs kept per traced graph (one per set of names)
 MAX_EXPANSIONS = 8
 
 
-def expanded(graph: Graph, refs: Sequence[LoopRef], state_rows: bool = True) -> Graph:
+def expanded(graph: Graph, looped: Sequence[Looped], state_rows: bool = True) -> Graph:
     """`expand`, remembered per graph and names."""
-    key = (tuple((ref.spec, ref.key, ref.side) for ref in refs), state_rows)
+    key = (tuple((name, where.key, where.side) for name, where in looped), state_rows)
     cache = graph.memo("expanded", lambda: LRU(MAX_EXPANSIONS))
     found = cache.get(key)
     if found is None:
-        found = expand(graph, refs, state_rows)
+        found = expand(graph, looped, state_rows)
         cache.put(key, found)
     return found
 
 
-def expand(graph: Graph, refs: Sequence[LoopRef], state_rows: bool = True) -> Graph:
-    """A graph of the same program with the loops `refs` point into written out; each
-    name in `refs` is an alias of its call there. With `state_rows`, the stacked state
-    the split loops update is also given with only some pieces' rows new
-    (`Graph.stacked_state`)."""
+def expand(graph: Graph, looped: Sequence[Looped], state_rows: bool = True) -> Graph:
+    """A graph of the same program with the loops the records of `looped` point into
+    written out; each name of `looped` is an alias of its call there. With `state_rows`,
+    the stacked state the split loops update is also given with only some pieces' rows
+    new (`Graph.stacked_state`)."""
     closed, signature, name_scopes = graph.source
     templates = {id(c.record): c.template for c in graph.calls if c.template is not None}
     expander = Expander(templates, state_rows and bool(signature.state_paths))
-    root = request(refs)
+    root = request([where for _, where in looped])
     jaxpr, consts = _compat.open_jaxpr(closed)
 
     num_vars = len(signature.variable_paths)
@@ -124,16 +126,17 @@ def expand(graph: Graph, refs: Sequence[LoopRef], state_rows: bool = True) -> Gr
     avals = [_spec(v) for v in jaxpr.invars]
     expanded, _ = _compat.make_jaxpr(program, *avals)
     new = build(expanded, signature, name_scopes=name_scopes)
-    return new.freeze(partial=graph.partial, aliases=_aliases(new, refs))
+    return new.freeze(partial=graph.partial, aliases=_aliases(new, looped))
 
 
-def _aliases(graph: Graph, refs: Sequence[LoopRef]) -> dict[tuple[str, int | None], Any]:
-    """Each name of `refs` (without its port) -> its call in the expanded `graph`."""
+def _aliases(graph: Graph, looped: Sequence[Looped]) -> dict[tuple[str, int | None], Any]:
+    """Each name of `looped` (without its port) -> the call its record picks in the
+    expanded `graph`, found by the record's key (`Selection.key`, `CallRecord.key`)."""
     by_key = {_key(c): c for c in graph.calls}
-    lost = [ref.spec for ref in refs if ref.key not in by_key]
+    lost = [where.spec or where.name for _, where in looped if where.key not in by_key]
     if lost:
         raise LostIterationsError(names=lost)
-    return {parse(ref.spec)[:2]: by_key[ref.key] for ref in refs}
+    return {(n.base, n.index): by_key[w.key] for n, w in looped if n is not None}
 
 
 def _key(call: Any) -> Any:

@@ -20,18 +20,19 @@ from .._errors import GivenAndComputedError, SliceError, StateGapsError
 from .._trees import key_name, path_str
 from . import analysis, diagnose
 from .graph import Graph
-from .markers import INPUT, OUTPUT
-from .names import Resolver
+from .jaxprs import loop_rule
+from .markers import OUTPUT
 from .ports import (
     Argument,
-    Port,
     arguments_of,
     flat_ports,
     map_ports,
+    model_inputs,
     port_value_tree,
     resolve_ends,
     resolve_starts,
 )
+from .selection import Selection, resolver_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +45,8 @@ class StateRules:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    starts: tuple[Port, ...] | None  # None: the model's inputs
-    ends: Any  # a Port, a tuple of Ports or a dict of Ports
+    starts: tuple[Selection, ...] | None  # None: the model's inputs
+    ends: Any  # a Selection, a tuple or a dict of them
     arguments: tuple[Argument, ...]
     input_ids: tuple[int, ...]
     output_trees: Any  # same nesting as `ends`, each a pytree of Slots
@@ -64,15 +65,18 @@ class Plan:
 def plan(
     graph: Graph, start: Any, end: Any, mutable: Any = False, rules: StateRules | None = None
 ) -> Plan:
-    """Plans the slice of `graph` from `start` to `end` (see `js.slice`)."""
-    p = _frame(graph, start, end)
+    """Plans the slice of `graph` from `start` to `end` (see `js.slice`), their names
+    parsed (`ports.parsed`) and resolved here, once, by the graph's resolver."""
+    resolver = resolver_of(graph)
+    starts = resolve_starts(graph, resolver, start)
+    p = _frame(graph, starts, resolve_ends(graph, resolver, end))
     if p.cut.missing:
-        works = lambda specs: _plannable(graph, specs, end)  # noqa: E731
+        works = lambda found: _plannable(graph, found, p.ends)  # noqa: E731
         ends = flat_ports(p.ends)
         diagnose.raise_missing(
             graph, p.input_ids, p.output_ids, p.starts, ends, works, parameters(graph)
         )
-    whole = p.starts is None and isinstance(p.ends, Port) and p.ends.spec is None
+    whole = p.starts is None and isinstance(p.ends, Selection) and p.ends.spec is None
     own = slice_state(graph, p.cut, p.input_ids, whole, rules) if graph.state_paths else []
     state = _wanted(own, mutable)
     return _finish(
@@ -87,21 +91,20 @@ def plan(
     )
 
 
-def _frame(graph: Graph, start: Any, end: Any, suggest: bool = True) -> Plan:
-    """The ports, arguments and cut of a slice, checked for connectivity.
+def _frame(
+    graph: Graph, starts: tuple[Selection, ...] | None, ends: Any, suggest: bool = True
+) -> Plan:
+    """The arguments and cut of a slice between these records, checked for connectivity.
 
     With `suggest`, errors offer fixes that were checked to work (without, they don't:
     that check is itself a call with ``suggest=False``).
     """
-    resolver = Resolver(graph)
-    starts = resolve_starts(graph, resolver, start)
-    start_ports = starts or (Port(None, graph.model_input_call(), INPUT),)
+    start_ports = starts or (model_inputs(graph),)
     params = parameters(graph)
     fixed = _recomputed(graph, start_ports)
     arguments = tuple(a for p in start_ports for a in _taken(graph, p, fixed, params))
-    works = (lambda specs: _plannable(graph, specs, end)) if suggest else (lambda specs: False)
+    works = (lambda found: _plannable(graph, found, ends)) if suggest else (lambda found: False)
     diagnose.check_inputs(graph, arguments, works)
-    ends = resolve_ends(graph, resolver, end)
     output_trees = map_ports(lambda p: end_tree(graph, p, params), ends)
     output_ids = tuple(s.id for s in _slots(output_trees) if s.id is not None)
     input_ids = tuple(i for a in arguments for i in a.input_ids)
@@ -119,7 +122,7 @@ def parameters(graph: Graph) -> frozenset[int]:
     return frozenset(found)
 
 
-def end_tree(graph: Graph, port: Port, params: frozenset[int]) -> Any:
+def end_tree(graph: Graph, port: Selection, params: frozenset[int]) -> Any:
     """`ports.port_value_tree` without `params`: an input port as an end yields its
     array arguments that are not parameters, as a start takes them."""
     if port.side == OUTPUT:
@@ -129,7 +132,7 @@ def end_tree(graph: Graph, port: Port, params: frozenset[int]) -> Any:
     return trees[0] if len(trees) == 1 else tuple(trees)
 
 
-def _recomputed(graph: Graph, ports: tuple[Port, ...]) -> frozenset[int]:
+def _recomputed(graph: Graph, ports: tuple[Selection, ...]) -> frozenset[int]:
     """With the model's inputs among several starts, the values of the other starts that
     are those inputs (a position array every block is passed) are taken once, as the
     model's inputs, and those that derive from them outside any module (positions,
@@ -139,7 +142,9 @@ def _recomputed(graph: Graph, ports: tuple[Port, ...]) -> frozenset[int]:
     return graph.derived_from_inputs() | frozenset(graph.input_ids)
 
 
-def _taken(graph: Graph, port: Port, fixed: frozenset[int], params: frozenset[int]) -> list[Any]:
+def _taken(
+    graph: Graph, port: Selection, fixed: frozenset[int], params: frozenset[int]
+) -> list[Any]:
     """The arguments a start port contributes: all but parameters and, for a named port,
     the values the slice takes as the model's inputs or computes again (`fixed`). A start
     the user names is never dropped whole for values the slice would compute: made only
@@ -156,10 +161,10 @@ def _taken(graph: Graph, port: Port, fixed: frozenset[int], params: frozenset[in
     return arguments_of(graph, port, params)
 
 
-def _plannable(graph: Graph, specs: list[Any], end: Any) -> bool:
-    """Whether a slice from `specs` to `end` can be made (a suggested fix works)."""
+def _plannable(graph: Graph, starts: list[Selection], ends: Any) -> bool:
+    """Whether a slice from `starts` to `ends` can be made (a suggested fix works)."""
     try:
-        return not _frame(graph, specs, end, suggest=False).cut.missing
+        return not _frame(graph, tuple(starts), ends, suggest=False).cut.missing
     except SliceError:
         return False
 
@@ -393,9 +398,11 @@ def results_depend(eqn: Any, given: Sequence[int], others: Sequence[int]) -> boo
 
 
 def _body_of(eqn: Any) -> Any:
-    """The body of a scan or of a call-like equation, or None."""
-    if _compat.loop_primitive(eqn) == "scan":
-        return _compat.scan_parts(eqn).jaxpr
+    """The body of a loop (its results are the body's, one to one) or of a call-like
+    equation, or None."""
+    rule = loop_rule(eqn)
+    if rule is not None:
+        return rule.body(eqn)
     inner = _compat.call_body(eqn)
     return inner[0] if inner is not None else None
 

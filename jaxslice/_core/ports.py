@@ -1,12 +1,13 @@
 """Ports: the values a start or an end of a slice stands for.
 
-A port is one side (input or output) of a call. As an end, an output port yields the
-call's whole result pytree and an input port its array arguments. As a start, an output
-port is one argument of the slice (the module's whole result); an input port contributes
-each of the call's arguments that holds an array that is not a variable, positionally or
-by keyword as the call received it (`start=None` means the model's own inputs, the same
-way). A leaf of an argument that is a variable, a constant or a non-array is fixed by the
-trace and ignored when the slice is called.
+A port is one side (input or output) of a call: a `selection.Selection`, which
+`resolve_starts` and `resolve_ends` make from the parsed names (`parsed`). As an end, an
+output port yields the call's whole result pytree and an input port its array arguments.
+As a start, an output port is one argument of the slice (the module's whole result); an
+input port contributes each of the call's arguments that holds an array that is not a
+variable, positionally or by keyword as the call received it (`start=None` means the
+model's own inputs, the same way). A leaf of an argument that is a variable, a constant
+or a non-array is fixed by the trace and ignored when the slice is called.
 
 A call's arguments are listed as the call was written: positional ones first, then its
 keywords in the order it passed them (`keyword_order`), not in the sorted order in which
@@ -25,27 +26,14 @@ import jax
 from .._errors import EmptyEndError, EndSpecError, NoActivationError, StartSpecError
 from .graph import Call, Eqn, Graph, Slot
 from .markers import INPUT, OUTPUT
-from .names import Resolver
-
-
-@dataclasses.dataclass(frozen=True)
-class Port:
-    spec: str | None  # as the user wrote it; None for the model's inputs or outputs
-    call: Call
-    side: str
-
-    @property
-    def label(self) -> str:
-        if self.spec is None:
-            return "the model's inputs" if self.side == INPUT else "the model's output"
-        return repr(f"{self.call.qualname}:{self.side}")
+from .selection import Name, Resolver, Selection
 
 
 @dataclasses.dataclass(frozen=True)
 class Argument:
     """One argument of a slice call."""
 
-    port: Port
+    port: Selection
     keyword: str | None  # set for keyword arguments
     position: int | None  # position in the call's positional arguments
     tree: Any  # treedef of the argument as traced
@@ -71,7 +59,7 @@ class Argument:
 class ActivationOf:
     """An end at the activation applied to a module's output (used by coverage)."""
 
-    name: str
+    name: Any  # a boundary name (a `selection.Name` once parsed)
 
 
 def array_ids(slots: Iterable[Slot]) -> list[int]:
@@ -95,7 +83,7 @@ def _fed_id(graph: Graph, slot: Slot, fixed: Container[int]) -> int | None:
 
 def _argument(
     graph: Graph,
-    port: Port,
+    port: Selection,
     value: Any,
     fixed: Container[int],
     keyword: str | None = None,
@@ -127,7 +115,7 @@ def input_leaf_order(call: Call) -> list[int]:
 
 
 def arguments_of(
-    graph: Graph, port: Port, fixed: Container[int] = frozenset(), *, call_order: bool = True
+    graph: Graph, port: Selection, fixed: Container[int] = frozenset(), *, call_order: bool = True
 ) -> list[Argument]:
     """The slice arguments a start port contributes (values in `fixed` are not taken).
 
@@ -144,7 +132,7 @@ def arguments_of(
     return [a for a in found if a.input_ids]
 
 
-def port_value_tree(graph: Graph, port: Port) -> Any:
+def port_value_tree(graph: Graph, port: Selection) -> Any:
     """The pytree (of Slots) that a port yields when it is an end.
 
     An input port yields its array arguments in JAX's order (keywords sorted), as it
@@ -154,6 +142,38 @@ def port_value_tree(graph: Graph, port: Port) -> Any:
         return port.call.port_tree(OUTPUT)
     trees = [a.slot_tree() for a in arguments_of(graph, port, call_order=False)]
     return trees[0] if len(trees) == 1 else tuple(trees)
+
+
+def parsed(spec: Any) -> Any:
+    """A `start` or `end` (one name, an activation, None, or a list, tuple or dict of
+    them) with each name parsed once into a `selection.Name`; anything else is kept as
+    given, to be refused when it is resolved."""
+    if isinstance(spec, str):
+        return Name.of(spec)
+    if isinstance(spec, ActivationOf) and isinstance(spec.name, str):
+        return ActivationOf(Name.of(spec.name))
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(_parsed_item(s) for s in spec)
+    if isinstance(spec, dict):
+        return {k: _parsed_item(s) for k, s in spec.items()}
+    return spec
+
+
+def _parsed_item(spec: Any) -> Any:
+    return spec if isinstance(spec, (list, tuple, dict)) else parsed(spec)
+
+
+def written(spec: Any) -> Any:
+    """A parsed `start` or `end` as the user wrote it (for messages)."""
+    if isinstance(spec, Name):
+        return spec.spec
+    if isinstance(spec, ActivationOf) and isinstance(spec.name, Name):
+        return ActivationOf(spec.name.spec)
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(s if isinstance(s, (list, tuple, dict)) else written(s) for s in spec)
+    if isinstance(spec, dict):
+        return {k: s if isinstance(s, (list, tuple, dict)) else written(s) for k, s in spec.items()}
+    return spec
 
 
 def spec_items(spec: Any) -> list[Any]:
@@ -182,29 +202,33 @@ def map_ports(fn: Callable[[Any], Any], ends: Any) -> Any:
     return fn(ends)
 
 
-def resolve_starts(graph: Graph, resolver: Resolver, start: Any) -> tuple[Port, ...] | None:
+def resolve_starts(graph: Graph, resolver: Resolver, start: Any) -> tuple[Selection, ...] | None:
     """The ports of a `start` specification (None: the model's inputs)."""
     if start is None:
         return None
-    specs = [start] if isinstance(start, str) else start
+    specs = [start] if isinstance(start, Name) else start
     if not isinstance(specs, (list, tuple)) or not specs:
-        raise StartSpecError(start=start)
+        raise StartSpecError(start=written(start))
     return tuple(_start_port(graph, resolver, spec) for spec in specs)
 
 
-def _start_port(graph: Graph, resolver: Resolver, spec: Any) -> Port:
+def model_inputs(graph: Graph) -> Selection:
+    """The model's own inputs as a start (``start=None``)."""
+    return Selection(None, graph.model_input_call(), INPUT)
+
+
+def _start_port(graph: Graph, resolver: Resolver, spec: Any) -> Selection:
     if spec is None:
-        return Port(None, graph.model_input_call(), INPUT)
-    call, side = resolver.resolve(spec, INPUT)
-    return Port(spec, call, side)
+        return model_inputs(graph)
+    return resolver.select(spec, INPUT)
 
 
 # What `end` may be: one end (a name, an activation or None) or a container of them.
-_END_TYPES = (str, ActivationOf, type(None), list, tuple, dict)
+_END_TYPES = (Name, ActivationOf, type(None), list, tuple, dict)
 
 
 def resolve_ends(graph: Graph, resolver: Resolver, end: Any) -> Any:
-    """A Port, a tuple of Ports or a dict of Ports, as `end` was given."""
+    """A `Selection`, a tuple or a dict of them, as `end` was given."""
     _check_end(end)
     ends = tuple(end) if isinstance(end, list) else end
     return map_ports(functools.partial(_end_port, graph, resolver), ends)
@@ -217,7 +241,7 @@ def _check_end(end: Any) -> None:
         raise EmptyEndError(end=end)
 
 
-def _end_port(graph: Graph, resolver: Resolver, spec: Any) -> Port:
+def _end_port(graph: Graph, resolver: Resolver, spec: Any) -> Selection:
     if isinstance(spec, ActivationOf):
         return _activation_port(graph, resolver, spec)
     if spec is None:
@@ -228,21 +252,20 @@ def _end_port(graph: Graph, resolver: Resolver, spec: Any) -> Port:
             out_slots=graph.out_slots,
             stop=len(graph.eqns),
         )
-        return Port(None, out_call, OUTPUT)
-    call, side = resolver.resolve(spec, OUTPUT)
-    return Port(spec, call, side)
+        return Selection(None, out_call, OUTPUT)
+    return resolver.select(spec, OUTPUT)
 
 
-def _activation_port(graph: Graph, resolver: Resolver, spec: ActivationOf) -> Port:
-    call, _ = resolver.resolve(spec.name, OUTPUT)
+def _activation_port(graph: Graph, resolver: Resolver, spec: ActivationOf) -> Selection:
+    call = resolver.select(spec.name, OUTPUT).call
     vid = single_output_id(call)
     if vid is None:
-        raise NoActivationError(name=spec.name)
+        raise NoActivationError(name=spec.name.spec)
     act = activation_of(graph, vid)
     synthetic = dataclasses.replace(
         call, out_tree=jax.tree_util.tree_structure(0), out_slots=[Slot(act)]
     )
-    return Port(spec.name, synthetic, OUTPUT)
+    return Selection(spec.name.spec, synthetic, OUTPUT)
 
 
 def activation_of(graph: Graph, vid: int) -> int:

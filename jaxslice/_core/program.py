@@ -47,8 +47,9 @@ from .arguments import (
     signature,
 )
 from .checks import check_alive, check_leaves, check_mutable, mode_key, mode_value
-from .jitted import JitCalls, NotJittable
+from .jitted import JitCalls
 from .plan import Plan, StateRules, plan
+from .ports import parsed, written
 from .trace import Traced, stop_specs, trace, trace_split
 
 #: compiled entries kept per slice (input signatures, modes)
@@ -114,13 +115,14 @@ class Entry:
         return len(slots) != len(self.plan.output_ids)
 
 
-def make_entry(traced: Traced, start: Any, end: Any) -> Entry:
-    refs = loops.loop_refs(traced.graph, start, end)
-    if refs:  # names of iterations inside scans: plan on the loops written out
-        traced = dataclasses.replace(traced, graph=loops.expanded(traced.graph, refs))
+def make_entry(traced: Traced, names: tuple[Any, Any]) -> Entry:
+    """The entry for `names`, ``(start, end)`` parsed (`ports.parsed`)."""
+    looped = loops.loop_selections(traced.graph, *names)
+    if looped:  # names of iterations inside scans: plan on the loops written out
+        traced = dataclasses.replace(traced, graph=loops.expanded(traced.graph, looped))
     adapter = traced.adapter
     rules = StateRules(adapter.state_owner, adapter.state_includes_variables)
-    p = plan(traced.graph, start, end, traced.split.mutable, rules)
+    p = plan(traced.graph, *names, traced.split.mutable, rules)
     fn = emit_.emit(traced.graph, p.to_run, *_emitted(p))
     return Entry(traced, p, fn, jax.jit(fn))
 
@@ -136,9 +138,10 @@ class SliceProgram:
 
     def __init__(self, traced: Traced, start: Any, end: Any):
         began = time.perf_counter()
-        self.start, self.end = start, end
+        self.names = (parsed(start), parsed(end))  # parsed once, for every re-trace too
+        self.start, self.end = written(start), written(end)  # as the user wrote them
         self.adapter = traced.adapter
-        base = make_entry(traced, start, end)
+        base = make_entry(traced, self.names)
         self.build_info = BuildInfo(
             traced.seconds - traced.build_seconds,
             traced.build_seconds + time.perf_counter() - began,
@@ -155,6 +158,11 @@ class SliceProgram:
         if not holds:
             split = dataclasses.replace(split, variables=abstract_tree(split.variables))
         self.target = self.adapter.skeleton(traced.target)
+        #: where the model holds its variables' values (Keras), ``variables_view()`` reads
+        #: them now (`Adapter.variables_view`); the program keeps only their shapes then
+        self.variables_view = self.adapter.variables_view(self.target, self.variables)
+        if self.variables_view is not None:
+            self.variables = abstract_tree(self.variables)
         kept = dataclasses.replace(base.traced, target=self.target, split=split)
         self.base = dataclasses.replace(base, traced=kept)
         self._entries = LRU(MAX_ENTRIES)
@@ -179,12 +187,14 @@ class SliceProgram:
         start: Any = None,
         end: Any = None,
         *,
+        adapter: Any,
         stop_early: bool = True,
-        adapter: Any = None,
     ) -> SliceProgram:
-        """Traces `target` (stopping once `end` is computed, where possible) and plans."""
+        """Traces `target` with its `adapter` (stopping once `end` is computed, where
+        possible) and plans."""
+        start, end = parsed(start), parsed(end)
         stop_at = stop_specs(start, end) if stop_early else None
-        return cls(trace(target, args, kwargs, stop_at, adapter), start, end)
+        return cls(trace(target, args, kwargs, stop_at, adapter=adapter), start, end)
 
     # ------------------------------------------------------------------ running
 
@@ -198,11 +208,8 @@ class SliceProgram:
         strict: bool = True,
     ) -> Any:
         """Runs the slice with linen's conventions (see `js.Sliced.apply`); with `mutable`,
-        ``(values, state)``, the state nested as linen returns it.
-
-        Through one `jax.jit` per mode and `mutable` where it can (see `jitted`), else
-        (and to raise any error) through `apply_checked`.
-        """
+        ``(values, state)``, the state nested as linen returns it. Through the path decided
+        for this kind of call (`jitted`): its jitted function, or `apply_checked`."""
         return self.calls.apply(variables, inputs, kwargs, rngs, mutable, strict)
 
     def apply_checked(
@@ -215,13 +222,11 @@ class SliceProgram:
         strict: bool = True,
         jitting: bool = False,
     ) -> Any:
-        """`apply` with jaxslice's lookup and checks (run as `jax.jit` traces `apply`, with
-        `jitting`, where it fails on outputs that are not arrays)."""
+        """`apply` with jaxslice's lookup and checks (also run as `jax.jit` traces
+        `apply`: with `jitting`, see `run`)."""
         if not self.adapter.has_collections and (rngs is not None or mutable):
             raise NoCollectionsError()
         entry, leaves = self.lookup(inputs, kwargs, rngs, mutable)
-        if jitting and entry.static_outputs:
-            raise NotJittable(entry)
         var_leaves = self.variable_leaves(entry, variables, strict)
         rng_leaves = self.rng_leaves(entry, rngs)
         out = self.run(entry, var_leaves, rng_leaves, leaves, mutable, inline=jitting)
@@ -357,14 +362,14 @@ class SliceProgram:
                     self.adapter,
                     self.target,
                     dataclasses.replace(split, **(new or {})),
-                    stop_specs(self.start, self.end),
+                    stop_specs(*self.names),
                 )
             except ModelTraceError as failed:
                 if not new:
                     raise
                 error = failed
                 continue
-            entry = make_entry(traced, self.start, self.end)
+            entry = make_entry(traced, self.names)
             if base.plan.starts is None or same_shapes(self._traced_avals(entry), avals):
                 return entry
             error = InputShapesChangedError.of(expected, avals)
@@ -458,9 +463,7 @@ class SliceProgram:
         traced = self.base.traced
         full = self.__dict__.get("_full")
         if full is None:
-            full = make_entry(
-                trace_split(self.adapter, self.target, traced.split), self.start, self.end
-            )
+            full = make_entry(trace_split(self.adapter, self.target, traced.split), self.names)
             self.__dict__["_full"] = full
         return full
 

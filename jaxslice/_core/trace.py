@@ -27,12 +27,12 @@ from .._errors import ModelTraceError, SliceError
 from .._fingerprint import input_ids, model_key
 from .._shared import SHARED
 from .._trees import is_traced_leaf, shape_key, tree_key
-from ..adapters import Adapter, Split, adapter_for
 from . import markers
 from .build import Signature, build
+from .contract import Adapter, Split
 from .graph import Graph
-from .names import parse, split_indices
 from .ports import spec_items
+from .selection import Name
 
 
 @dataclasses.dataclass
@@ -53,16 +53,17 @@ def trace(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     stop_at: Any = None,
-    adapter: Adapter | None = None,
+    *,
+    adapter: Adapter,
 ) -> Traced:
-    """Traces ``target(*args, **kwargs)`` as its adapter (found from the target) says."""
-    adapter = adapter or adapter_for(target)
+    """Traces ``target(*args, **kwargs)`` as its `adapter` (`adapters.adapter_for`) says."""
     split = adapter.split(target, args, kwargs)
     return trace_split(adapter, target, split, stop_at)
 
 
 def stop_specs(start: Any, end: Any) -> list[Any] | None:
-    """The names a trace must reach for a slice from `start` to `end` (None: everything)."""
+    """The names a trace must reach for a slice from `start` to `end`, each parsed
+    (`ports.parsed`), or None: everything."""
     if end is None:
         return None
     return [s for s in spec_items(start) if s is not None] + spec_items(end)
@@ -137,25 +138,24 @@ def stop_rule(
     """
     if ends is None or not adapter.can_stop_early(split) or not all(map(_is_name, ends)):
         return None
-    parsed = [parse(spec) for spec in ends]
     if key is None:
         key = traced_key(adapter, target, split)
     known = _CALL_COUNTS.get(key, {})
-    if any(index is None and known.get(base) != 1 for base, index, _ in parsed):
+    if any(name.index is None and known.get(name.base) != 1 for name in ends):
         return None
-    return markers.StopRule(_needs(parsed))
+    return markers.StopRule(_needs(ends))
 
 
 def _is_name(spec: Any) -> bool:
-    """A name a trace can stop after: a string naming no iteration of a loop."""
-    return isinstance(spec, str) and not split_indices(parse(spec)[0])[1]
+    """A name a trace can stop after: a parsed name naming no iteration of a loop."""
+    return isinstance(spec, Name) and not spec.given
 
 
-def _needs(parsed: list[tuple[str, int | None, Any]]) -> dict[str, int]:
+def _needs(names: list[Name]) -> dict[str, int]:
     """How many calls of each boundary must have returned (``name@k`` needs k + 1)."""
     needs: dict[str, int] = {}
-    for base, index, _ in parsed:
-        needs[base] = max(needs.get(base, 0), (index or 0) + 1)
+    for name in names:
+        needs[name.base] = max(needs.get(name.base, 0), (name.index or 0) + 1)
     return needs
 
 

@@ -84,6 +84,7 @@ from .boundaries import (
     StateGapsError,
     UnreachableIterationError,
     UnusedStartError,
+    WhileIterationError,
 )
 from .editing import (
     CallInputDtypeError,
@@ -276,6 +277,7 @@ __all__ = [
     "SameValueStartsError",
     "ScalarLayersError",
     "ScopeInScanError",
+    "WhileIterationError",
     "SeedsOutOfBoundsError",
     "SharedModuleReplaceError",
     "SliceError",

@@ -149,6 +149,19 @@ class ScopeInScanError(BoundaryInLoopError):
     )
 
 
+class WhileIterationError(BoundaryInLoopError):
+    """A call in a ``while_loop`` body was asked for bare, by one iteration, or by a slice."""
+
+    TEMPLATE = (
+        "{name!r} is called inside the body of a `while`, which has no fixed number of "
+        "iterations, so it names no single value a slice could start or end at.\n"
+        "Slice at a module that contains the whole `while`{outer}. To edit the call in every "
+        "iteration, or to see it in every iteration from a `js.Interpreter` hook, name it "
+        "{every!r}. Or write the loop as a `jax.lax.scan` (or a `fori_loop` with static "
+        "bounds), whose iterations are named `name[k]`."
+    )
+
+
 class MixedLoopNamesError(SliceError):
     """One slice names a scanned module both as a whole and by one of its iterations."""
 

@@ -17,25 +17,16 @@ from typing import Any
 
 import jax
 
+from .._core.contract import Split
 from .._trees import is_traced_leaf, join_name, path_names
-from .._view import RunsProgram
+from .._view import program_of
 
 #: jaxslice's entry points, by name, set by the modules that define them as they are
 #: imported (``"slice"``: `js.slice`). Adapters sit below those modules, but a slice
-#: class that Keras rebuilds from a file (`KerasSlice.from_config`) must slice again.
+#: class that Keras rebuilds from a file (`KerasSlice.from_config`) must slice again. An
+#: import cannot take its place: the Keras adapter makes `KerasSlice`s, and rebuilding
+#: one needs the adapter again, so importing it from the class closes an import cycle.
 ENTRY_POINTS: dict[str, Callable[..., Any]] = {}
-
-
-@dataclasses.dataclass
-class Split:
-    """A target's call arguments, sorted by role."""
-
-    variables: Any  # parameters and state (a pytree)
-    rngs: Any  # random keys (a pytree, often None)
-    args: tuple[Any, ...]  # positional model inputs
-    kwargs: dict[str, Any]  # keyword model inputs that hold arrays
-    mode: dict[str, Any]  # keyword arguments without arrays: they select a mode
-    mutable: Any = False  # collections the call may update (linen's `mutable`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +90,7 @@ class Adapter:
     def program_of(self, target: Any) -> Any:
         """The `SliceProgram` that a slice or an edited model passed as a target runs (its
         calls are marked again while it is traced), or None for a model."""
-        return target._slice_program() if isinstance(target, RunsProgram) else None
+        return program_of(target)
 
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         raise NotImplementedError

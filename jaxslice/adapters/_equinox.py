@@ -228,7 +228,7 @@ class _Programs:
         split = base.base.traced.split
         args = abstract_tree(split.args)
         kwargs = {**abstract_tree(split.kwargs), **split.mode}
-        return type(base).build(model, args, kwargs, base.start, base.end)
+        return type(base).build(model, args, kwargs, base.start, base.end, adapter=base.adapter)
 
 
 @functools.cache

@@ -19,34 +19,26 @@ the same way (`Adapter.program_of`).
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 
 from .._errors import PlainNoParamsError, SlicedTargetArgumentsError
+from .._sliced import Sliced
+from .._view import RunsProgram, program_of
 from ._base import Adapter, NewModule, Split, split_kwargs
-
-
-def _sliced_class() -> type | None:
-    """`js.Sliced`, if it is imported (it imports the adapters, so not the other way)."""
-    module = sys.modules.get("jaxslice._sliced")
-    return None if module is None else module.Sliced
 
 
 def _engine(target: Any) -> tuple[Any, bool]:
     """``(the js.Sliced a target runs, whether the variables are given first)``, or
     ``(None, False)`` for another target: a `js.Sliced`, a view of one (``sub.sliced``),
     or the bound ``apply`` of either."""
-    sliced = _sliced_class()
-    if sliced is None:
-        return None, False
     owner = target.__self__ if inspect.ismethod(target) and target.__name__ == "apply" else None
     found = target if owner is None else owner
-    if not isinstance(found, sliced):
-        found = getattr(found, "sliced", None) if hasattr(found, "_slice_program") else None
-    if not isinstance(found, sliced):
+    if not isinstance(found, Sliced):
+        found = getattr(found, "sliced", None) if isinstance(found, RunsProgram) else None
+    if not isinstance(found, Sliced):
         return None, False
     return found, owner is not None
 
@@ -85,10 +77,10 @@ class SlicedAdapter(Adapter):
 
     @classmethod
     def for_target(cls, target: Any) -> Adapter:
-        return cls(_engine(target)[0]._slice_program().adapter)
+        return cls(program_of(_engine(target)[0]).adapter)
 
     def program_of(self, target: Any) -> Any:
-        return _engine(target)[0]._slice_program()
+        return program_of(_engine(target)[0])
 
     def split(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
         engine, given = _engine(target)

@@ -11,12 +11,12 @@ from ._criteria import NC as NC
 from ._criteria import SNAC as SNAC
 from ._criteria import TKNC as TKNC
 from ._criteria import Criterion as Criterion
-from ._criteria import SignSign as SignSign
-from ._criteria import SignValue as SignValue
-from ._criteria import ValueSign as ValueSign
-from ._criteria import ValueValue as ValueValue
 from ._generate import Generated as Generated
 from ._generate import generate as generate
+from ._pairs import SignSign as SignSign
+from ._pairs import SignValue as SignValue
+from ._pairs import ValueSign as ValueSign
+from ._pairs import ValueValue as ValueValue
 from ._tracker import CoverageResult as CoverageResult
 from ._tracker import Tracker as Tracker
 

@@ -6,23 +6,24 @@ maximum of φ(·, n) over the profiling data. Every criterion keeps a boolean st
 is OR-ed over inputs, so accumulation is incremental and independent of batch order and
 batch boundaries: updating with two batches equals updating with their concatenation.
 
+A criterion also says what `generate` needs to search inputs for it: its open
+requirements, the exact check of one, and a search loss (`Criterion`'s generation
+methods). The adjacent-layer criteria of Sun et al. live in `_pairs`.
+
 References:
   Pei et al., "DeepXplore", SOSP 2017 (NC).
   Ma et al., "DeepGauge", ASE 2018 (KMNC, NBC, SNAC, TKNC).
-  Sun, Huang, Kroening et al., "Structural test coverage criteria for deep neural
-  networks", ACM TECS 2019 (sign-sign, value-sign, sign-value and value-value coverage).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._errors import PositiveIntegerError, RatioError, ThresholdError
+from .._errors import PositiveIntegerError, ThresholdError, UngeneratableCriterionError
 from ..observe import Moments
 
 
@@ -44,6 +45,15 @@ class Criterion:
     needs_profile: bool = False
     #: whether the update reads DeepXplore-scaled neuron values
     needs_scaled: bool = False
+    #: whether `update` takes `valid`, the mask of a batch's rows that are inputs: a
+    #: tracker whose criteria all do pads a batch of a new size to a size it has compiled
+    #: for (the padding rows must cover nothing) instead of compiling for it
+    masks_rows: bool = False
+    #: criteria that share work: a tracker updates its criteria of one (not None) family
+    #: together, with the family's ``init(criteria, sizes)``, ``update(criteria, state,
+    #: values, scaled, profile, valid)`` and ``states(criteria, state)`` (each
+    #: criterion's own state, from the family's)
+    family: Any = None
 
     @property
     def name(self) -> str:
@@ -77,18 +87,68 @@ class Criterion:
         raise NotImplementedError
 
     def update(
-        self, state: Any, values: list[Any], scaled: list[Any] | None, profile: list[Moments] | None
+        self,
+        state: Any,
+        values: list[Any],
+        scaled: list[Any] | None,
+        profile: list[Moments] | None,
+        valid: Any = None,
     ) -> Any:
+        """The state after a batch: `values` (and `scaled`) hold (batch, neurons) per layer.
+        `valid` (only where `masks_rows`): a (batch,) mask, True for the rows that are
+        inputs, which come first; None when every row is one."""
         raise NotImplementedError
 
     def counts(self, state: Any) -> list[tuple[Any, int]]:
         """(covered, total) per key."""
         raise NotImplementedError
 
+    # Generation. `generate` searches inputs for a criterion that defines these; the
+    # others say that they cannot be searched for (UngeneratableCriterionError).
+    # A requirement is (group, n1, n2): a neuron n1 of layer `group` (n2 = -1), or a pair
+    # of neurons n1 of layer `group` and n2 of the next (``span = 2``).
+
+    #: how many adjacent layers one requirement spans, from its group on
+    span: int = 1
+    #: which of those layers (0, 1) have a neuron that must change sign
+    sign_changes: tuple[int, ...] = ()
+
+    def open_requirements(self, state: Any) -> list[tuple[int, int, int]]:
+        """(group, n1, n2) of every requirement `state` has not covered yet.
+
+        Raises:
+          UngeneratableCriterionError: `generate` cannot search inputs for this criterion.
+        """
+        raise UngeneratableCriterionError(name=self.name)
+
+    def holds(self, start: list[Any], now: list[Any], n1: Any, n2: Any) -> Any:
+        """Per row: whether a seed and an input, with neuron values `start` and `now`
+        (one (rows, neurons) array per layer of the span), cover the requirement
+        (n1[row], n2[row]), by the criterion's definition."""
+        raise UngeneratableCriterionError(name=self.name)
+
+    def search_loss(
+        self, start: list[Any], now: list[Any], before: list[Any], n1: Any, n2: Any
+    ) -> Any:
+        """Per row: a loss, zero (up to margins) where `holds`, that a gradient search
+        lowers; `before` are the values before the activation (gradients of a ReLU that
+        is off vanish)."""
+        raise UngeneratableCriterionError(name=self.name)
+
+
+def covered(cond: Any, valid: Any) -> Any:
+    """Whether `cond` holds for some row (input) among those `valid` marks (every row
+    without a mask), over axis 0."""
+    if valid is not None:
+        cond = cond & valid.reshape((-1,) + (1,) * (cond.ndim - 1))
+    return jnp.any(cond, axis=0)
+
 
 class _Flags(Criterion):
     """A criterion whose state is one boolean array per key (one flag per neuron by
     default), each flag set once some input covers it."""
+
+    masks_rows = True
 
     def init(self, sizes: list[int]) -> Any:
         return [np.zeros((n,), bool) for n in sizes]
@@ -97,13 +157,18 @@ class _Flags(Criterion):
         return [(jnp.sum(s), s.size) for s in state]
 
 
-def _is_number(x: Any, types: type | tuple[type, ...]) -> bool:
+def pick(values: Any, n: Any) -> Any:
+    """values[row, n[row]] for each row of a (rows, neurons) array."""
+    return jnp.take_along_axis(values, n[:, None], axis=1)[:, 0]
+
+
+def is_number(x: Any, types: type | tuple[type, ...]) -> bool:
     """Whether `x` is an instance of `types` (bools, although ints, are not numbers here)."""
     return isinstance(x, types) and not isinstance(x, bool)
 
 
-def _check_int(name: str, k: Any) -> int:
-    if not _is_number(k, int) or k < 1:
+def check_int(name: str, k: Any) -> int:
+    if not is_number(k, int) or k < 1:
         raise PositiveIntegerError(name=name, value=k)
     return k
 
@@ -126,12 +191,25 @@ class NC(_Flags):
     needs_scaled = True
 
     def __init__(self, threshold: float = 0.5):
-        if not _is_number(threshold, (int, float)) or not 0 <= threshold < 1:
+        if not is_number(threshold, (int, float)) or not 0 <= threshold < 1:
             raise ThresholdError(threshold=threshold)
         self.threshold = float(threshold)
 
-    def update(self, state, values, scaled, profile):
-        return [s | jnp.any(v > self.threshold, axis=0) for s, v in zip(state, scaled, strict=True)]
+    def update(self, state, values, scaled, profile, valid=None):
+        return [s | covered(v > self.threshold, valid) for s, v in zip(state, scaled, strict=True)]
+
+    def open_requirements(self, state):
+        return [
+            (group, int(n), -1)
+            for group, s in enumerate(state)
+            for n in np.flatnonzero(~np.asarray(s))
+        ]
+
+    def holds(self, start, now, n1, n2):
+        return pick(now[0], n1) > self.threshold
+
+    def search_loss(self, start, now, before, n1, n2):
+        return jax.nn.relu(self.threshold + 0.02 - pick(now[0], n1))
 
 
 def _kmnc_sections(v: Any, low: Any, high: Any, k: int) -> Any:
@@ -158,14 +236,14 @@ class KMNC(_Flags):
     needs_profile = True
 
     def __init__(self, k: int = 10):
-        self.k = _check_int("KMNC k", k)
+        self.k = check_int("KMNC k", k)
 
     def init(self, sizes):
         return [np.zeros((n, self.k), bool) for n in sizes]
 
-    def update(self, state, values, scaled, profile):
+    def update(self, state, values, scaled, profile, valid=None):
         return [
-            s | jnp.any(_kmnc_sections(v, p.low, p.high, self.k), axis=0)
+            s | covered(_kmnc_sections(v, p.low, p.high, self.k), valid)
             for s, v, p in zip(state, values, profile, strict=True)
         ]
 
@@ -178,13 +256,14 @@ class NBC(Criterion):
     """
 
     needs_profile = True
+    masks_rows = True
 
     def init(self, sizes):
         return [(np.zeros((n,), bool), np.zeros((n,), bool)) for n in sizes]
 
-    def update(self, state, values, scaled, profile):
+    def update(self, state, values, scaled, profile, valid=None):
         return [
-            (up | jnp.any(v > p.high, axis=0), lo | jnp.any(v < p.low, axis=0))
+            (up | covered(v > p.high, valid), lo | covered(v < p.low, valid))
             for (up, lo), v, p in zip(state, values, profile, strict=True)
         ]
 
@@ -197,9 +276,9 @@ class SNAC(_Flags):
 
     needs_profile = True
 
-    def update(self, state, values, scaled, profile):
+    def update(self, state, values, scaled, profile, valid=None):
         return [
-            s | jnp.any(v > p.high, axis=0) for s, v, p in zip(state, values, profile, strict=True)
+            s | covered(v > p.high, valid) for s, v, p in zip(state, values, profile, strict=True)
         ]
 
 
@@ -216,237 +295,12 @@ class TKNC(_Flags):
     """
 
     def __init__(self, k: int = 2):
-        self.k = _check_int("TKNC k", k)
+        self.k = check_int("TKNC k", k)
 
-    def update(self, state, values, scaled, profile):
+    def update(self, state, values, scaled, profile, valid=None):
         out = []
         for s, v in zip(state, values, strict=True):
             k = min(self.k, v.shape[1])
             kth = jax.lax.top_k(v, k)[0][:, -1:]
-            out.append(s | jnp.any(v >= kth, axis=0))
+            out.append(s | covered(v >= kth, valid))
         return out
-
-
-SIGN, VALUE = "sign", "value"
-
-# How many earlier inputs one step of a pair update compares a batch with, and the most
-# (input pair x neuron pair) products one step of it forms. Together they bound the
-# memory of an update whatever the capacity and layer widths (a 512 x 512 layer pair at a
-# batch of 64 stays far below 1 GiB) and make its time grow with the inputs seen so far,
-# not with the capacity.
-_BLOCK = 512
-_PRODUCTS = 2**25
-_DENSE = 2**25  # up to this many, every input pair of a block is taken at once
-
-
-def sign_change(a: Any, b: Any) -> Any:
-    """sc: whether each neuron's sign (φ > 0; 0 and NaN are inactive) differs."""
-    return (a > 0) != (b > 0)
-
-
-def value_change(a: Any, b: Any, ratio: float) -> Any:
-    """vc_r: the same sign, different values, and the larger magnitude at least `ratio`
-    times the smaller (a NaN never changes value)."""
-    big = jnp.maximum(jnp.abs(a), jnp.abs(b))
-    small = jnp.minimum(jnp.abs(a), jnp.abs(b))
-    return ((a > 0) == (b > 0)) & (a != b) & (big >= ratio * small)
-
-
-def _check_ratio(name: str, ratio: Any) -> float:
-    if not _is_number(ratio, (int, float, np.integer, np.floating)) or not (
-        math.isfinite(ratio) and ratio >= 1
-    ):
-        raise RatioError(name=name, ratio=ratio)
-    return float(ratio)
-
-
-def _count_products(f: Any, g: Any) -> Any:
-    """(N1, N2): for how many rows both f[row, n1] and g[row, n2] hold."""
-    f, g = f.astype(jnp.float32), g.astype(jnp.float32)
-    return jnp.matmul(f.T, g, precision=jax.lax.Precision.HIGHEST)
-
-
-class PairCriterion(Criterion):
-    """A Sun et al. (2019) criterion over pairs (n1 in layer k, n2 in layer k+1).
-
-    The first neuron's condition is a sign change with no other sign change in layer k
-    (``first = "sign"``) or a value change with no sign change in layer k (``"value"``);
-    the second's is a sign or a value change of n2. Pairs of inputs are taken over
-    everything seen so far, each unordered pair once, so results do not depend on how
-    inputs are batched.
-
-    State: a boolean (|L_k|, |L_k+1|) matrix per adjacent pair of layers, the neuron
-    values of every input seen (up to `capacity`), and how many were seen. An update
-    finds, block by block of earlier inputs, the input pairs whose layer-k sign patterns
-    differ in exactly the allowed number of neurons (a Hamming distance, from one matrix
-    product), and only for those forms the neuron-pair products, a bounded number at a
-    time.
-    """
-
-    first: str
-    second: str
-
-    def __init__(self, ratio: float = 2.0, capacity: int = 4096):
-        self.ratio = _check_ratio(type(self).__name__, ratio)
-        self.capacity = _check_int(f"{type(self).__name__} capacity", capacity)
-
-    def keys(self, layers):
-        return [f"{a} -> {b}" for a, b in zip(layers[:-1], layers[1:], strict=True)]
-
-    def init(self, sizes):
-        pairs = [np.zeros((a, b), bool) for a, b in zip(sizes[:-1], sizes[1:], strict=True)]
-        # Rows for whole blocks of either size (a block read past the end would be moved).
-        block = _BLOCK if self.capacity > _BLOCK else _BLOCK // 4
-        rows = -(-self.capacity // block) * block
-        history = [np.zeros((rows, n), np.float32) for n in sizes]
-        return pairs, history, np.zeros((), np.int32)
-
-    def changes(self, kind: str, a: Any, b: Any) -> Any:
-        """The per-neuron condition `kind` (sign or value change) between values a and b."""
-        return sign_change(a, b) if kind == SIGN else value_change(a, b, self.ratio)
-
-    def covers(self, a1: Any, b1: Any, a2: Any, b2: Any, n1: Any, n2: Any) -> Any:
-        """Per row: whether two inputs with layer values (a1, a2) and (b1, b2), each
-        (rows, neurons), cover the requirement (n1[row], n2[row]): the criterion's
-        definition for one pair of inputs."""
-        pick = lambda v, n: jnp.take_along_axis(v, n[:, None], axis=1)[:, 0]  # noqa: E731
-        flips = jnp.sum(sign_change(a1, b1), axis=1)
-        alone = flips == (1 if self.first == SIGN else 0)
-        first = self.changes(self.first, pick(a1, n1), pick(b1, n1))
-        return alone & first & self.changes(self.second, pick(a2, n2), pick(b2, n2))
-
-    def update(self, state, values, scaled, profile):
-        pairs, history, count = state
-        history = [
-            jax.lax.dynamic_update_slice(h, v.astype(h.dtype), (count, 0))
-            for h, v in zip(history, values, strict=True)
-        ]
-        new_pairs = [
-            self._cover(cov, values[k], history[k], values[k + 1], history[k + 1], count)
-            for k, cov in enumerate(pairs)
-        ]
-        return new_pairs, history, count + values[0].shape[0]
-
-    def _cover(self, cov: Any, new1: Any, old1: Any, new2: Any, old2: Any, count: Any) -> Any:
-        """`cov` with the pairs covered by each new input (row count + i of the history)
-        and every input before it."""
-        b, (rows, n1), n2 = new1.shape[0], old1.shape, new2.shape[1]
-        # Small layers take every input pair of a (smaller) block in one product; wide
-        # ones only the pairs that can cover, `chunk` at a time.
-        dense = b * min(rows, _BLOCK) * n1 * n2 <= _DENSE
-        block = min(rows, _BLOCK // 4 if dense else _BLOCK)
-        chunk = max(1, min(b * block, 4096, _PRODUCTS // (n1 * n2)))
-        padded = -(-(b * block) // chunk) * chunk
-        want = 1 if self.first == SIGN else 0
-        signs = (new1 > 0).astype(jnp.float32)
-        active = jnp.sum(signs, axis=1)[:, None]
-        position = count + jnp.arange(b)[:, None]  # where each new input sits in the history
-
-        def one_block(blk: Any, cov: Any) -> Any:
-            start = blk * block
-            o1 = jax.lax.dynamic_slice_in_dim(old1, start, block)
-            o2 = jax.lax.dynamic_slice_in_dim(old2, start, block)
-            old_signs = (o1 > 0).astype(jnp.float32)
-            same = _count_products(signs.T, old_signs.T)  # neurons active in both
-            flips = active + jnp.sum(old_signs, axis=1)[None, :] - 2 * same  # Hamming distance
-            earlier = start + jnp.arange(block)[None, :] < position
-            chosen = earlier & (flips == want)
-            if dense:  # small layers: the products of every input pair of the block at once
-                f = self.changes(self.first, new1[:, None], o1[None]) & chosen[..., None]
-                g = self.changes(self.second, new2[:, None], o2[None])
-                return cov | (_count_products(f.reshape(-1, n1), g.reshape(-1, n2)) > 0)
-            chosen = chosen.ravel()
-            found = jnp.sum(chosen)
-            index = jnp.nonzero(chosen, size=padded, fill_value=0)[0]
-
-            def one_chunk(t: Any, cov: Any) -> Any:
-                ids = jax.lax.dynamic_slice_in_dim(index, t * chunk, chunk)
-                live = t * chunk + jnp.arange(chunk) < found
-                i, j = ids // block, ids % block
-                f = self.changes(self.first, new1[i], o1[j]) & live[:, None]
-                g = self.changes(self.second, new2[i], o2[j])
-                return cov | (_count_products(f, g) > 0)
-
-            return jax.lax.fori_loop(0, -(-found // chunk), one_chunk, cov)
-
-        blocks = -(-(count + b) // block)
-        return jax.lax.fori_loop(0, blocks, one_block, jnp.asarray(cov))
-
-    def counts(self, state):
-        return [(jnp.sum(c), c.size) for c in state[0]]
-
-
-_PAIRS_DOC = """{title} coverage for adjacent layers (Sun et al., 2019), an MC/DC-style criterion.
-
-    For two inputs x1, x2 and a neuron n with values a = φ(x1, n), b = φ(x2, n): n
-    changes sign (sc) when exactly one of a > 0, b > 0 holds (0 and NaN are inactive);
-    n changes value (vc) when it does not change sign, a != b and
-    max(|a|, |b|) >= ratio · min(|a|, |b|) (so 0 against a negative value is a value
-    change, and NaN never is). A pair (n1 in layer k, n2 in layer k+1) is covered when
-    some two distinct inputs seen so far satisfy: {rule}.
-
-    Pairs of inputs are taken over everything seen (not only within a batch), so the
-    result does not depend on how inputs are batched. Coverage = covered pairs /
-    Σ_k |L_k|·|L_k+1|; results are keyed ``"a -> b"`` per adjacent pair of chosen
-    layers, in call order. One input, or a single chosen layer, covers nothing.
-    {arxiv}
-    Memory: the neuron values of each input seen are kept, up to `capacity` inputs (a
-    `SliceError` past that); an update compares the new inputs with the earlier ones in
-    blocks and forms neuron-pair products only for the input pairs that can cover, a
-    bounded number at a time, so its time grows with the inputs seen.
-
-    Args:
-{args}      capacity: the most inputs whose values are kept.
-
-    Reference: Sun, Huang, Kroening, Sharp, Hill and Ashmore, "Structural test coverage
-    criteria for deep neural networks", ACM TECS 18(5s), 2019.
-    """
-
-_RATIO_ARG = "      ratio: r >= 1, how many times larger one magnitude must be than the other.\n"
-
-
-class SignSign(PairCriterion):
-    first, second = SIGN, SIGN
-    __doc__ = _PAIRS_DOC.format(
-        title="Sign-sign",
-        rule="sc(n1), no other neuron of layer k changes sign, and sc(n2)",
-        arxiv="",
-        args="",
-    )
-
-    def __init__(self, capacity: int = 4096):
-        self.capacity = _check_int("SignSign capacity", capacity)  # no ratio: nothing reads it
-
-
-class ValueSign(PairCriterion):
-    first, second = VALUE, SIGN
-    __doc__ = _PAIRS_DOC.format(
-        title="Value-sign",
-        rule="vc(n1), no neuron of layer k changes sign, and sc(n2)",
-        arxiv="(The arXiv version of the paper calls it distance-sign.)\n",
-        args=_RATIO_ARG,
-    )
-
-
-class SignValue(PairCriterion):
-    first, second = SIGN, VALUE
-    __doc__ = _PAIRS_DOC.format(
-        title="Sign-value",
-        rule="sc(n1), no other neuron of layer k changes sign, and vc(n2)",
-        arxiv="",
-        args=_RATIO_ARG,
-    )
-
-
-class ValueValue(PairCriterion):
-    first, second = VALUE, VALUE
-    __doc__ = _PAIRS_DOC.format(
-        title="Value-value",
-        rule="vc(n1), no neuron of layer k changes sign, and vc(n2)",
-        arxiv="(The arXiv version of the paper calls it distance-value.)\n",
-        args=_RATIO_ARG,
-    )
-
-
-PAIRS = (SignSign, ValueSign, SignValue, ValueValue)
-ALL = (NC, KMNC, NBC, SNAC, TKNC, *PAIRS)

@@ -31,11 +31,10 @@ from .._errors import (
     PositiveCountError,
     PositiveNumberError,
     SeedsOutOfBoundsError,
-    UngeneratableCriterionError,
 )
-from ..observe import Observer, neurons
-from ._criteria import NC, SIGN, Criterion, PairCriterion
-from ._search import holds, make_search, values_of
+from ..observe import neurons
+from ._criteria import Criterion
+from ._search import make_search, values_of
 
 _CHUNK = 64  # searches per run of the compiled search
 _TRIES = 4  # searches per seed, each for another requirement
@@ -128,16 +127,16 @@ def generate(
     """
     crit_index = _criterion_index(tracker, criterion)
     crit = tracker.criteria[crit_index]
+    # (group, n1, n2) not covered yet; a criterion `generate` cannot search for raises here
+    requirements = crit.open_requirements(tracker.states[crit_index])
     eps = _positive_number("eps", eps)
     steps = _positive_int("steps", steps)
     if max_inputs is not None:
         max_inputs = _positive_int("max_inputs", max_inputs)
-    observer = _observer(tracker)
     leaves, treedef, moving = _seed_leaves(tracker, seeds)
-    count = tracker._observer.batch_size(seeds)
+    count = tracker.batch_size(seeds)
     low, high = _bounds(bounds, leaves, moving)
 
-    requirements = _uncovered(tracker, crit_index)
     rng = np.random.default_rng(_seed_of(key))
     plan = _plan(tracker, crit, seeds, count, requirements, rng) if requirements else []
 
@@ -148,8 +147,8 @@ def generate(
         for start in range(0, len(attempts), _CHUNK):
             chunk = attempts[start : start + _CHUNK]
             found_rows += _search(
-                tracker, observer, crit, crit_index, group, chunk, size, leaves, treedef,
-                moving, (eps, steps, low, high),
+                tracker, crit, crit_index, group, chunk, size, leaves, treedef, moving,
+                (eps, steps, low, high),
             )  # fmt: skip
     found_rows.sort(key=lambda row: row[0])
     if max_inputs is not None:
@@ -161,7 +160,7 @@ def generate(
 
 
 def _criterion_index(tracker: Any, criterion: Any) -> int:
-    names = tracker._names
+    names = tracker.names
     if isinstance(criterion, str):
         picks = [i for i, name in enumerate(names) if name == criterion]
     elif isinstance(criterion, type):
@@ -171,9 +170,6 @@ def _criterion_index(tracker: Any, criterion: Any) -> int:
     if len(picks) != 1:
         how = "several" if picks else "no"
         raise AmbiguousCriterionError(how=how, criterion=criterion, names=names)
-    crit = tracker.criteria[picks[0]]
-    if not isinstance(crit, (NC, PairCriterion)):
-        raise UngeneratableCriterionError(name=crit.name)
     return picks[0]
 
 
@@ -194,7 +190,7 @@ def _positive_int(name: str, value: Any) -> int:
 def _seed_leaves(tracker: Any, seeds: Any) -> tuple[list[np.ndarray], Any, list[bool]]:
     """The seeds' input leaves as arrays, their treedef, and per leaf whether the search
     moves it (floating-point leaves; there must be one)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tracker._observer._inputs(seeds))
+    leaves, treedef = jax.tree_util.tree_flatten(tracker.inputs(seeds))
     leaves = [np.asarray(x) for x in leaves]
     moving = [bool(jnp.issubdtype(x.dtype, jnp.floating)) for x in leaves]
     if not any(moving):
@@ -235,40 +231,14 @@ def _seed_of(key: Any) -> Any:
         raise KeySpecError(key=key) from None
 
 
-def _observer(tracker: Any) -> Observer:
-    """An observer of the tracker's layers that, for activations, also gives the outputs
-    before them (made once per tracker)."""
-    if tracker.position == "output":
-        return tracker._observer
-    if getattr(tracker, "_search_observer", None) is None:
-        target, args, kwargs, layers = tracker._source
-        tracker._search_observer = Observer(
-            target, args, kwargs, layers, tracker.position, also_outputs=True
-        )
-    return tracker._search_observer
-
-
-def _uncovered(tracker: Any, crit_index: int) -> list[tuple[int, int, int]]:
-    """(group, n1, n2) of every requirement not covered yet (n2 = -1 for NC), where a
-    group is a layer pair (pair criteria) or a layer (NC)."""
-    crit, state = tracker.criteria[crit_index], tracker._state[crit_index]
-    flags = state[0] if isinstance(crit, PairCriterion) else state
-    out = []
-    for group, covered in enumerate(flags):
-        for idx in np.argwhere(~np.asarray(covered)):
-            out.append((group, int(idx[0]), int(idx[1]) if idx.size > 1 else -1))
-    return out
-
-
 def _seed_values(tracker: Any, seeds: Any) -> list[np.ndarray]:
     """The neuron values of every layer for the seeds, as the tracker computes them
     (before NC's scaling)."""
 
-    def make(outputs: Any) -> Any:
-        layer_outputs = tracker._layer_outputs(outputs)
+    def make(layer_outputs: Any) -> Any:
         return lambda v, r, x: [neurons(o, tracker.granularity) for o in layer_outputs(v, r, x)]
 
-    return [np.asarray(v) for v in tracker._observer.run(("generate-values",), seeds, make)]
+    return [np.asarray(v) for v in tracker.run_layers(("generate-values",), seeds, make)]
 
 
 def _plan(tracker, crit, seeds, count, requirements, rng) -> list[tuple[int, Any]]:
@@ -308,8 +278,8 @@ def _scores(crit: Any, values: list[np.ndarray], reqs: np.ndarray, rng: Any) -> 
     score = rng.uniform(0, 1e-3, size=(len(values[0]), len(reqs)))
     scale = [np.mean(np.abs(v), axis=1, keepdims=True) + 1e-6 for v in values]
     group, n1, n2 = reqs[:, 0], reqs[:, 1], reqs[:, 2]
-    for layer, kind, n in ((0, "first", n1), (1, "second", n2)):
-        if isinstance(crit, NC) or getattr(crit, kind) != SIGN:
+    for layer, n in ((0, n1), (1, n2)):
+        if layer not in crit.sign_changes:
             continue
         at = group + layer
         for k in np.unique(at):
@@ -321,9 +291,7 @@ def _scores(crit: Any, values: list[np.ndarray], reqs: np.ndarray, rng: Any) -> 
 # --------------------------------------------------------------------------- search
 
 
-def _search(
-    tracker, observer, crit, crit_index, group, chunk, size, leaves, treedef, moving, budget
-):
+def _search(tracker, crit, crit_index, group, chunk, size, leaves, treedef, moving, budget):
     """Runs the compiled search for one chunk of (seed, requirement) and returns the
     rows that pass the final check: (seed index, requirement, input leaves)."""
     eps, steps, low, high = budget
@@ -333,11 +301,10 @@ def _search(
     n2 = np.array([max(req[2], 0) for _, req in chunk + pad], np.int32)
     seed = [x[rows] for x in leaves]
     batch = jax.tree_util.tree_unflatten(treedef, seed)
-    make = make_search(tracker, crit, group, moving, observer is not tracker._observer)
+    make = make_search(tracker, crit, group, moving)
     run_key = ("generate", crit_index, group)
-    best, hit = observer.run(
-        run_key, batch, make, n1, n2, np.float32(eps * (1 - 2**-20)), low, high, steps
-    )
+    limits = (np.float32(eps * (1 - 2**-20)), low, high, steps)
+    best, hit = tracker.run_layers(run_key, batch, make, n1, n2, *limits, before=True)
     best = [np.asarray(b) for b in best]
     keep = np.asarray(hit)[: len(chunk)]
     checked = _checked(tracker, crit, group, treedef, seed, best, n1, n2, eps, low, high)
@@ -357,15 +324,15 @@ def _checked(tracker, crit, group, treedef, seed, best, n1, n2, eps, low, high) 
     both = [np.concatenate([s, b]) for s, b in zip(seed, best, strict=True)]
     batch = jax.tree_util.tree_unflatten(treedef, both)
 
-    def make(outputs: Any) -> Any:
-        values = values_of(tracker, outputs, crit, group, False)
+    def make(layer_outputs: Any) -> Any:
+        values = values_of(tracker, layer_outputs, crit, group, False)
         return lambda v, r, x: values(v, r, x)[0]
 
-    now = tracker._observer.run(("generate-check", type(crit).__name__, group), batch, make)
+    now = tracker.run_layers(("generate-check", type(crit).__name__, group), batch, make)
     half = len(n1)
     start = [np.asarray(x)[:half] for x in now]
     found = [np.asarray(x)[half:] for x in now]
-    ok = np.array(holds(crit, start, found, jnp.asarray(n1), jnp.asarray(n2)))
+    ok = np.array(crit.holds(start, found, jnp.asarray(n1), jnp.asarray(n2)))
     for s, b in zip(seed, best, strict=True):
         if jnp.issubdtype(s.dtype, jnp.floating):
             flat = np.abs(b.astype(np.float64) - s).reshape(len(s), -1)
@@ -375,9 +342,9 @@ def _checked(tracker, crit, group, treedef, seed, best, n1, n2, eps, low, high) 
 
 
 def _requirement(tracker: Any, crit: Any, group: int, n1: int, n2: int) -> tuple[Any, ...]:
-    if isinstance(crit, NC):
-        return (tracker.layers[group], int(n1))
-    return (f"{tracker.layers[group]} -> {tracker.layers[group + 1]}", int(n1), int(n2))
+    """The requirement as `Generated` shows it: the criterion's result key and its neurons."""
+    key = crit.keys(tracker.layers)[group]
+    return (key, int(n1)) if crit.span == 1 else (key, int(n1), int(n2))
 
 
 def _result(tracker, crit, rows, leaves, treedef, searches) -> Generated:

@@ -8,7 +8,13 @@ instead of the output itself.
 
 Everything per batch (the model up to the last chosen layer, the neuron reduction and
 every criterion's update) is one jit-compiled function; state is OR-ed or merged, so
-batches can come in any order and any size.
+batches can come in any order and any size. A batch of a size the update (or the
+profile) was not compiled for is padded, on the host, to the smallest size it was
+compiled for that holds it (with copies of its last input, which the criteria and the
+statistics mask out: a padding row covers and counts nothing), so a smaller last batch
+compiles nothing; a batch larger than any before compiles for its size. (With a
+criterion of the user's own that does not mask rows, `Criterion.masks_rows`, the update
+gets every batch as it comes.)
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from .. import _compat
 from .._errors import (
@@ -28,6 +38,7 @@ from .._errors import (
     UnknownCriterionError,
 )
 from .._table import PrintsAsTable
+from .._trees import is_traced_leaf
 from ..observe import GRANULARITIES, Moments, Observer, neuron_count, neurons, scaled
 from ..observe._observer import per_iteration
 from ._criteria import KMNC, NBC, NC, SNAC, TKNC, Criterion
@@ -115,22 +126,32 @@ class Tracker:
         self.criteria = _checked_criteria(criteria)
         self.granularity = granularity
         self.position = position
-        # What `generate` needs to observe the layers' outputs beside their activations.
+        # What `run_layers` needs to observe the layers' outputs beside their activations.
         self._source = (target, args, kwargs, layers)
         self._observer = Observer(target, args, kwargs, layers, position)
+        self._search_observer: Observer | None = None  # made by the first `run_layers(before=True)`
         self._rows = per_iteration(self._observer)
         self.layers = [name for name, _, _ in self._rows]
         shapes = [self._observer.shapes[i][len(row) :] for _, i, row in self._rows]
         self.sizes = _neuron_counts(self.layers, shapes, granularity)
         self._names = _names(self.criteria)
+        self._groups = _groups(self.criteria)  # what is updated together, in one state
         self._profile: list[Moments] | None = None
+        # The batch sizes each step was compiled for; a batch of a new size is padded to
+        # the smallest of them that holds it (the update's only where every criterion
+        # masks rows).
+        self._pads = all(c.masks_rows for c in self.criteria)
+        self._compiled: dict[int, set[int]] = {_PROFILE: set(), _UPDATE: set()}
         self.reset()
 
     # ------------------------------------------------------------------ public
 
     def reset(self) -> None:
         """Forgets every covered neuron (the profile is kept)."""
-        self._state = [c.init(self.sizes) for c in self.criteria]
+        self._state = [
+            family.init(crits, self.sizes) if family else crits[0].init(self.sizes)
+            for family, crits in self._grouped()
+        ]
         self._seen = 0
 
     @property
@@ -148,7 +169,9 @@ class Tracker:
         acc = [Moments.empty((n,)) for n in self.sizes] if self._profile is None else self._profile
         seen = False
         for batch in batches:
-            acc = self._observer.run(_PROFILE, batch, self._profile_step, acc)
+            n = self.batch_size(batch)
+            batch = self._compiled_size(_PROFILE, batch, n, True)
+            acc = self.run_layers(_PROFILE, batch, self._profile_step, acc, np.int32(n))
             seen = True
         if not seen:
             raise NoBatchesError()
@@ -157,7 +180,7 @@ class Tracker:
     def update(self, batch: Any) -> None:
         """Adds a batch of test inputs (an array, or a tuple of the model's inputs)."""
         self._check_profile()
-        n = self._observer.batch_size(batch)
+        n = self.batch_size(batch)
         if n == 0:
             return  # nothing seen: an empty batch covers nothing
         for crit in self.criteria:
@@ -171,15 +194,18 @@ class Tracker:
                     kind=type(crit).__name__,
                     suggested=2 * (self._seen + n),
                 )
-        self._state = self._observer.run(
-            _UPDATE, batch, self._update_step, self._state, self._profile
+        batch = self._compiled_size(_UPDATE, batch, n, self._pads)
+        state, profile = self._state, self._profile
+        # The state is donated: the update writes the history of the pair criteria in place.
+        self._state = self.run_layers(
+            _UPDATE, batch, self._update_step, state, profile, np.int32(n), donate=(0,)
         )
         self._seen += n
 
     def result(self) -> CoverageResult:
         """Coverage per criterion: the total over all neurons, and per layer."""
         self._check_profile()
-        states = zip(self._names, self.criteria, self._state, strict=True)
+        states = zip(self._names, self.criteria, self.states, strict=True)
         return CoverageResult(
             (name, _coverage(crit, state, self.layers)) for name, crit, state in states
         )
@@ -187,48 +213,171 @@ class Tracker:
     def __repr__(self) -> str:
         return f"Tracker(criteria={self._names}, layers={self.layers})"
 
+    # ------------------------------------------------------------------ for generation
+    # What `generate` (and other tools that search or check inputs against a tracker)
+    # read: the criteria's result names and states, the inputs of a batch, and the
+    # tracker's layers run, compiled, on a batch.
+
+    @property
+    def names(self) -> list[str]:
+        """The criteria's result names (the keys of `result`), in the order of `criteria`."""
+        return list(self._names)
+
+    @property
+    def states(self) -> tuple[Any, ...]:
+        """Each criterion's current state (what its `update` returns), in the order of
+        `criteria`; valid until the next `update`, which reuses its memory."""
+        out: list[Any] = [None] * len(self.criteria)
+        for (family, members), state in zip(self._groups, self._state, strict=True):
+            crits = [self.criteria[i] for i in members]
+            own = family.states(crits, state) if family else [state]
+            for i, part in zip(members, own, strict=True):
+                out[i] = part
+        return tuple(out)
+
+    def batch_size(self, batch: Any) -> int:
+        """How many inputs `batch` holds.
+
+        Raises:
+          InputMismatchError: a batch that does not fit the model's sample inputs.
+        """
+        return self._observer.batch_size(batch)
+
+    def inputs(self, batch: Any) -> tuple[Any, ...]:
+        """`batch` as the model's positional inputs (an array is one input), checked.
+
+        Raises:
+          InputMismatchError: a batch that does not fit the model's sample inputs.
+        """
+        return self._observer.inputs(batch)
+
+    def run_layers(
+        self,
+        key: Any,
+        batch: Any,
+        make_step: Any,
+        *state: Any,
+        before: bool = False,
+        donate: tuple[int, ...] = (),
+    ) -> Any:
+        """Applies ``make_step(layer_outputs)``, compiled once per `key` and batch shape,
+        to `batch` and `state`; ``layer_outputs(v, r, x)`` gives each layer's output (a
+        stacked layer's iterations one by one, as in `layers`). With `before`, it gives
+        ``(outputs, before)``: ``before`` are the layers' outputs before their activation
+        at ``position="activation"``, and None at ``"output"`` (nothing is before).
+
+        The step is ``step(v, r, x, *state)`` for the model's variable, random-key and
+        input leaves, as `make_step` returns it; the parts of `state` at the positions
+        `donate` are donated to it (their memory is reused for its results).
+        """
+        observer = self._observer
+        if before and self.position != "output":
+            if self._search_observer is None:
+                target, args, kwargs, layers = self._source
+                self._search_observer = Observer(
+                    target, args, kwargs, layers, self.position, also_outputs=True
+                )
+            observer = self._search_observer
+        rows = self._rows
+        # The search observer gives every layer's output after all the activations.
+        outputs_at = len(self._observer.layers) if observer is self._search_observer else None
+
+        def make(outputs: Any) -> Any:
+            def per_layer(outs: list[Any], offset: int) -> list[Any]:
+                return [outs[offset + i][row] if row else outs[offset + i] for _, i, row in rows]
+
+            def layer_outputs(v: Any, r: Any, x: Any) -> Any:
+                outs = outputs(v, r, x)
+                if not before:
+                    return per_layer(outs, 0)
+                raw = None if outputs_at is None else per_layer(outs, outputs_at)
+                return per_layer(outs, 0), raw
+
+            return make_step(layer_outputs)
+
+        return observer.run(key, batch, make, *state, donate=donate)
+
     # ------------------------------------------------------------------ steps
+
+    def _compiled_size(self, step: int, batch: Any, n: int, pads: bool) -> Any:
+        """`batch` (of `n` inputs) padded to the smallest size `step` was compiled for that
+        holds it (as it is where none does, or without `pads`)."""
+        sizes = self._compiled[step]
+        size = min((s for s in sizes if s >= n), default=n) if pads and n else n
+        sizes.add(size)
+        return _padded(self.inputs(batch), n, size) if size > n else batch
+
+    def _grouped(self) -> list[tuple[Any, list[Criterion]]]:
+        return [(family, [self.criteria[i] for i in members]) for family, members in self._groups]
 
     def _check_profile(self) -> None:
         needing = [n for n, c in zip(self._names, self.criteria, strict=True) if c.needs_profile]
         if needing and self._profile is None:
             raise ProfileNeededError(names=", ".join(needing))
 
-    def _layer_outputs(self, outputs: Any) -> Any:
-        """`outputs` (the observed outputs) as one output per layer, stacked ones split."""
-        rows = self._rows
-
-        def layer_outputs(v: Any, r: Any, x: Any) -> list[Any]:
-            outs = outputs(v, r, x)
-            return [outs[i][row] if row else outs[i] for _, i, row in rows]
-
-        return layer_outputs
-
     def _profile_step(self, outputs: Any) -> Any:
         granularity = self.granularity
-        outputs = self._layer_outputs(outputs)
 
-        def step(v: Any, r: Any, x: Any, acc: list[Moments]) -> list[Moments]:
+        def step(v: Any, r: Any, x: Any, acc: list[Moments], n: Any) -> list[Moments]:
             outs = outputs(v, r, x)
+            valid = jnp.arange(outs[0].shape[0]) < n  # the batch's inputs; then padding
             return [
-                m.merge(Moments.of(neurons(o, granularity))) for m, o in zip(acc, outs, strict=True)
+                m.merge(Moments.of(neurons(o, granularity), valid))
+                for m, o in zip(acc, outs, strict=True)
             ]
 
         return step
 
     def _update_step(self, outputs: Any) -> Any:
         granularity = self.granularity
-        criteria = self.criteria
-        need_scaled = any(c.needs_scaled for c in criteria)
-        outputs = self._layer_outputs(outputs)
+        groups = self._grouped()
+        need_scaled = any(c.needs_scaled for c in self.criteria)
 
-        def step(v: Any, r: Any, x: Any, state: list[Any], profile: Any) -> list[Any]:
+        def step(v: Any, r: Any, x: Any, state: list[Any], profile: Any, n: Any) -> list[Any]:
             outs = outputs(v, r, x)
             values = [neurons(o, granularity) for o in outs]
             sc = [neurons(scaled(o), granularity) for o in outs] if need_scaled else None
-            return [c.update(s, values, sc, profile) for c, s in zip(criteria, state, strict=True)]
+            valid = jnp.arange(values[0].shape[0]) < n  # the batch's inputs; then padding
+            new = []
+            for (family, crits), s in zip(groups, state, strict=True):
+                if family is not None:
+                    new.append(family.update(crits, s, values, sc, profile, valid))
+                elif crits[0].masks_rows:
+                    new.append(crits[0].update(s, values, sc, profile, valid))
+                else:
+                    new.append(crits[0].update(s, values, sc, profile))
+            return new
 
         return step
+
+
+def _groups(criteria: list[Criterion]) -> list[tuple[Any, list[int]]]:
+    """(family, indices) of the criteria updated together: a family's members at the
+    place of its first one; a criterion without a family alone (None)."""
+    groups: list[tuple[Any, list[int]]] = []
+    members: dict[Any, list[int]] = {}
+    for i, crit in enumerate(criteria):
+        if crit.family is None:
+            groups.append((None, [i]))
+        elif crit.family in members:
+            members[crit.family].append(i)
+        else:
+            members[crit.family] = [i]
+            groups.append((crit.family, members[crit.family]))
+    return groups
+
+
+def _padded(inputs: tuple[Any, ...], n: int, size: int) -> tuple[Any, ...]:
+    """`inputs` (a batch of `n`) with `size - n` copies of the last input after them, on
+    the host: a copy is an input the model takes, and a new size compiles nothing."""
+
+    def pad(x: Any) -> Any:
+        if not is_traced_leaf(x) or np.ndim(x) == 0 or np.shape(x)[0] != n:
+            return x
+        x = np.asarray(x)
+        return np.concatenate([x, np.repeat(x[-1:], size - n, axis=0)])
+
+    return jax.tree_util.tree_map(pad, inputs)
 
 
 def _checked_criteria(criteria: Sequence[Criterion] | None) -> list[Criterion]:

@@ -35,18 +35,31 @@ class Moments(NamedTuple):
         )
 
     @staticmethod
-    def of(samples: Any) -> Moments:
-        """Moments of `samples` over axis 0."""
+    def of(samples: Any, valid: Any = None) -> Moments:
+        """Moments of `samples` over axis 0; with `valid`, a (rows,) mask, of the rows it
+        marks (the others pad a batch to a compiled size and count for nothing)."""
         x = samples.astype(jnp.float32)
-        n = jnp.asarray(x.shape[0], jnp.float32)
-        mean = jnp.mean(x, axis=0)
+        if valid is None:
+            n = jnp.asarray(x.shape[0], jnp.float32)
+            mean = jnp.mean(x, axis=0)
+            return Moments(
+                n,
+                mean,
+                jnp.sum((x - mean) ** 2, axis=0),
+                jnp.min(x, axis=0),
+                jnp.max(x, axis=0),
+                jnp.sum(x == 0, axis=0).astype(jnp.float32),
+            )
+        keep = valid.reshape((-1,) + (1,) * (x.ndim - 1))
+        n = jnp.sum(valid, dtype=jnp.float32)
+        mean = jnp.sum(jnp.where(keep, x, 0.0), axis=0) / jnp.maximum(n, 1.0)
         return Moments(
             n,
             mean,
-            jnp.sum((x - mean) ** 2, axis=0),
-            jnp.min(x, axis=0),
-            jnp.max(x, axis=0),
-            jnp.sum(x == 0, axis=0).astype(jnp.float32),
+            jnp.sum(jnp.where(keep, x - mean, 0.0) ** 2, axis=0),
+            jnp.min(jnp.where(keep, x, jnp.inf), axis=0),
+            jnp.max(jnp.where(keep, x, -jnp.inf), axis=0),
+            jnp.sum((x == 0) & keep, axis=0).astype(jnp.float32),
         )
 
     def merge(self, other: Moments) -> Moments:

@@ -7,8 +7,10 @@ function, which returns the new accumulator state. Coverage tracking and activat
 statistics are both built on it.
 
 Batches are the model's inputs (an array, or a tuple of them); their non-batch shapes and
-dtypes must be those of the sample inputs. Variables are taken when the observer is made
-(for NNX models, read from the model at each batch; its state is not written back).
+dtypes must be those of the sample inputs. Variables are taken when the observer is made,
+except where the model holds them: an NNX model's are read from it at each batch (its
+state is not written back), and a Keras model's from its own `keras.Variable`s, as its
+slices read them, so an observer follows the model as it trains.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import jax
 import jax.numpy as jnp
 
 from .. import _compat
-from .._core.names import Resolver
 from .._core.ports import ActivationOf, single_output_id
 from .._core.program import SliceProgram
+from .._core.selection import Name, Resolver, resolver_of
 from .._core.trace import Traced, trace
 from .._errors import BatchMismatchError, ChoiceError, LayersSpecError, NoLayersError
 from .._table import describe
 from .._trees import abstract, is_traced_leaf
+from ..adapters import adapter_for
 
 GRANULARITIES = ("channel", "element")
 POSITIONS = ("output", "activation")
@@ -133,7 +136,7 @@ class Observer:
         (after all the activations, in the same order)."""
         if position not in POSITIONS:
             raise ChoiceError(option="position", choices=POSITIONS, value=position)
-        traced = trace(target, args, kwargs)
+        traced = trace(target, args, kwargs, adapter=adapter_for(target))
         self.target = target
         self.layers = _ordered_layers(traced, default_layers(traced) if layers is None else layers)
         ends: dict[Any, Any] = {n: _END_AT[position](n) for n in self.layers}
@@ -141,19 +144,26 @@ class Observer:
             ends.update({(n, "output"): n for n in self.layers})
         self.count = len(ends)
         split = traced.split
-        self.variables = split.variables  # the model's arrays, before the program drops them
+        self.program = program = SliceProgram(traced, None, ends)
+        # Where the model holds its variables' values (Keras), they are read from it at
+        # each batch (`Adapter.variables_view`); else the model's arrays are kept, taken
+        # before the program drops them.
+        self.variables_view = program.adapter.variables_view(program.target, program.variables)
+        self.variables = split.variables if self.variables_view is None else None
         self.rngs = split.rngs
         self.sample = [abstract(x) for x in _array_leaves((split.args, split.kwargs))]
-        self.program = SliceProgram(traced, None, ends)
         self.traced_graph = traced.graph
         base = self.program.base
         self.shapes = [tuple(base.traced.graph.avals[i].shape) for i in base.plan.output_ids]
 
     def batch_size(self, batch: Any) -> int:
-        leaves = _array_leaves(self._inputs(batch))
+        """How many inputs `batch` holds (checked as `inputs` does)."""
+        leaves = _array_leaves(self.inputs(batch))
         return int(jnp.shape(leaves[0])[0]) if leaves and jnp.ndim(leaves[0]) else 1
 
-    def _inputs(self, batch: Any) -> tuple[Any, ...]:
+    def inputs(self, batch: Any) -> tuple[Any, ...]:
+        """`batch` as the model's positional inputs (an array is one input), checked
+        against the sample inputs' non-batch shapes and dtypes."""
         args = batch if isinstance(batch, tuple) else (batch,)
         leaves = _array_leaves(args)
         if len(leaves) != len(self.sample) or not all(map(_matches, leaves, self.sample)):
@@ -168,12 +178,17 @@ class Observer:
         batch: Any,
         make_step: Callable[[Callable[..., list[Any]]], Callable[..., Any]],
         *state: Any,
+        donate: tuple[int, ...] = (),
     ) -> Any:
-        """Applies the compiled step ``make_step(layer_outputs_fn)`` to a batch and `state`."""
-        args = self._inputs(batch)
+        """Applies the compiled step ``make_step(layer_outputs_fn)`` to a batch and `state`,
+        compiled once per `key` and input shape; the parts of `state` at the positions
+        `donate` are donated to it (the same for every call with one key)."""
+        args = self.inputs(batch)
         mutable = self.program.base.traced.split.mutable
         entry, leaves = self.program.lookup(args, {}, self.rngs, mutable)
-        var_leaves = self.program.model_variable_leaves(entry, self.variables)
+        view = self.variables_view
+        variables = self.variables if view is None else view()
+        var_leaves = self.program.model_variable_leaves(entry, variables)
         rng_leaves = self.program.rng_leaves(entry, self.rngs)
         steps = entry.__dict__.setdefault("observer_steps", {})
         step = steps.get(key)
@@ -183,7 +198,8 @@ class Observer:
             def outputs(v: list[Any], r: list[Any], x: list[Any], _fn: Any = entry.fn) -> list[Any]:
                 return _fn(v, r, x)[:n]
 
-            step = steps[key] = jax.jit(make_step(outputs))
+            donated = tuple(3 + i for i in donate)  # after the variable, key and input leaves
+            step = steps[key] = jax.jit(make_step(outputs), donate_argnums=donated)
         return step(var_leaves, rng_leaves, leaves, *state)
 
 
@@ -194,7 +210,7 @@ def _ordered_layers(traced: Traced, layers: Any) -> list[str]:
     """`layers` checked, without repeats, in call order."""
     if isinstance(layers, str) or not all(isinstance(n, str) for n in layers):
         raise LayersSpecError(layers=layers)
-    resolver = Resolver(traced.graph)
+    resolver = resolver_of(traced.graph)
     order = {name: _call_order(resolver, name)[0] for name in layers}
     layers = sorted(dict.fromkeys(layers), key=order.__getitem__)
     if not layers:
@@ -205,25 +221,22 @@ def _ordered_layers(traced: Traced, layers: Any) -> list[str]:
 def _call_order(resolver: Resolver, name: str) -> tuple[tuple[Any, ...], Any]:
     """A key that sorts boundary names in call order (an iteration of a call inside a
     scan by the loop, then the iteration, then the call within the body; a stacked
-    ``[:]`` before the loop's single iterations), and the name's `LoopRef` (None for a
-    call outside scans). Unknown and ambiguous names raise."""
-    ref = resolver.loop_ref(name, "output")
-    if ref is not None:
-        iterations = tuple(-1 if k == ":" else k for k in ref.path)
-        return (ref.call.start, iterations, ref.call.in_seq), ref
-    call, _ = resolver.resolve(name, "output")
-    return (call.start, (), call.in_seq), None
+    ``[:]`` before the loop's single iterations), and the name's record (its
+    `Selection`). Unknown and ambiguous names raise."""
+    where = resolver.select(Name.of(name), "output")
+    iterations = tuple(-1 if k == ":" else k for k in where.path)
+    return (where.call.start, iterations, where.call.in_seq), where
 
 
 def per_iteration(observer: Observer) -> list[tuple[str, int, tuple[int, ...]]]:
     """The observer's layers with every stacked name (``layers[:]/mlp``) written out as
     one layer per iteration (``layers[0]/mlp``, ...), all in call order, without repeats:
     ``(name, index of the observed output, index of the iteration's row in it)``."""
-    resolver = Resolver(observer.traced_graph)
+    resolver = resolver_of(observer.traced_graph)
     rows = {}
     for index, name in enumerate(observer.layers):
         key, ref = _call_order(resolver, name)
-        stacked = [] if ref is None else [d for d, k in enumerate(ref.path) if k == ":"]
+        stacked = list(ref.depths)
         if not stacked:
             rows.setdefault(name, (key, index, ()))
             continue

@@ -40,27 +40,27 @@ def _text(obj: Any) -> str:
         return f"<{type(obj).__name__}>"
 
 
-def _depth(drawing: Any) -> int | None:
-    program = drawing._drawing_program()
-    return None if program is None else drawing_depth(program, MAX_CALLS)
-
-
-def _svg_or_note(drawing: Any, text: str) -> dict[str, str]:
+def _svg_or_note(drawing: Any, program: Any, text: str) -> dict[str, str]:
     """``{SVG: the drawing}``, or ``{HTML: why there is none}``."""
     try:
-        return {SVG: dot_svg(drawing.to_dot(_depth(drawing)), timeout=TIMEOUT_S)}
+        depth = None if program is None else drawing_depth(program, MAX_CALLS)
+        return {SVG: dot_svg(drawing.to_dot(depth), timeout=TIMEOUT_S)}
     except Exception as error:  # no `dot`, or it failed: say so instead of raising
         return {HTML: NOTE.format(reason=html.escape(str(error)), text=html.escape(text))}
 
 
 def drawing_bundle(
-    drawing: Any, include: Container[str] | None = None, exclude: Container[str] | None = None
+    drawing: Any,
+    program: Any = None,
+    include: Container[str] | None = None,
+    exclude: Container[str] | None = None,
 ) -> dict[str, str]:
     """The MIME bundle of an object with ``to_dot(depth)``, for ``_repr_mimebundle_``.
 
     Args:
-      drawing: the object; its ``_drawing_program()`` is the `SliceProgram` whose model
-        it draws (for the depth that fits `MAX_CALLS`), or None to draw every level.
+      drawing: the object.
+      program: the `SliceProgram` whose model it draws (for the depth that fits
+        `MAX_CALLS`), or None to draw every level.
       include, exclude: the MIME types the front end wants and refuses (None: any).
 
     Returns:
@@ -70,5 +70,5 @@ def drawing_bundle(
     text = _text(drawing)
     bundle = {TEXT: text}
     if _wanted(SVG, include, exclude):
-        bundle.update(_svg_or_note(drawing, text))
+        bundle.update(_svg_or_note(drawing, program, text))
     return {mime: data for mime, data in bundle.items() if _wanted(mime, include, exclude)}

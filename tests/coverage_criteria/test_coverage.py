@@ -700,6 +700,65 @@ def test_construction_compiles_nothing_and_each_step_once():
     assert (profiled.compiles, first.compiles, second.compiles) == (1, 1, 0)
 
 
+def test_a_batch_of_a_new_size_compiles_nothing(mlp):
+    """After a batch of 8, batches of 5 and 3 are padded to 8 inside the tracker: nothing
+    compiles, and every criterion's result is the reference's over the 16 inputs."""
+    t = C.Tracker(mlp.model, mlp.variables, mlp.x, criteria=ALL6())
+    t.profile(mlp.prof)
+    t.update(mlp.test)
+    extra = np.asarray(mlp.prof[0])  # 8 more inputs whose outputs the fixture captured
+    with count_compiles() as later:
+        t.update(extra[:5])
+        t.update(extra[5:])
+    assert later.compiles == 0
+    outs = {k: np.concatenate([mlp.test_outs[k], mlp.prof_outs[k][:8]]) for k in mlp.test_outs}
+    assert_result(t.result(), reference(ALL6(), t.layers, mlp.prof_outs, outs))
+    assert int(t.states[-1][2]) == 16  # SignSign's history holds the 16 inputs, no padding
+
+
+def test_profiling_a_batch_of_a_new_size_compiles_nothing(mlp):
+    """Profiling batches of 8, then 5 and 3 (padded to 8 inside): nothing compiles after
+    the first, and the statistics are NumPy's over the 16 inputs."""
+    t = C.Tracker(mlp.model, mlp.variables, mlp.x, criteria=[C.KMNC(3)])
+    first, second = (np.asarray(p) for p in mlp.prof)
+    t.profile([first])
+    with count_compiles() as later:
+        t.profile([second[:5], second[5:]])
+    assert later.compiles == 0
+    for name, stats in t.profile_stats.items():
+        values = neurons(mlp.prof_outs[name], "channel")
+        np.testing.assert_allclose(np.asarray(stats["low"]), values.min(0), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(stats["high"]), values.max(0), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(stats["mean"]), values.mean(0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(stats["std"]), values.std(0), rtol=1e-4, atol=1e-6)
+
+
+def test_padding_rows_cover_nothing(mlp, mlp_tracker):
+    """`update` with `valid`: rows past the batch's inputs, filled with values that would
+    cover every neuron, change nothing; the result is the reference's on the inputs."""
+    t = mlp_tracker
+    test = {n: neurons(mlp.test_outs[n], "channel") for n in t.layers}
+    scaled = {n: nc_values(mlp.test_outs[n], "channel") for n in t.layers}
+    profile = [
+        js.observe.Moments.of(jnp.asarray(neurons(mlp.prof_outs[n], "channel"))) for n in t.layers
+    ]
+    rng = np.random.default_rng(5)
+    junk = lambda v, rows: jnp.asarray(np.concatenate([v, rows]), jnp.float32)  # noqa: E731
+    values = [junk(test[n], rng.normal(size=(5, test[n].shape[1])) * 100) for n in t.layers]
+    sc = [junk(scaled[n], np.ones((5, scaled[n].shape[1]))) for n in t.layers]
+    valid = jnp.arange(13) < 8
+    result = {}
+    for crit in ALL6():
+        state = crit.update(crit.init(t.sizes), values, sc, profile, valid)
+        counts = [(int(c), n) for c, n in crit.counts(state)]
+        keys = crit.keys(t.layers)
+        result[crit.name] = {
+            "total": sum(c for c, _ in counts) / sum(n for _, n in counts),
+            "layers": {k: c / n for k, (c, n) in zip(keys, counts, strict=True)},
+        }
+    assert_result(result, reference(ALL6(), t.layers, mlp.prof_outs, mlp.test_outs))
+
+
 def test_scalar_layer_is_refused_by_name():
     total = js.mark("total", lambda p, x: jnp.sum(x * p))
 

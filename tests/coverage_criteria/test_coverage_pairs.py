@@ -30,7 +30,7 @@ from helpers.models import (
     ScanUnrolled,
     scan_unrolled_params,
 )
-from helpers.oracles import captured, random_variables
+from helpers.oracles import captured, count_compiles, random_variables
 
 C = js.coverage
 
@@ -121,10 +121,10 @@ def test_capacity_not_a_multiple_of_the_block(mlp, monkeypatch, dense):
     """A capacity of 300 with the last inputs past row 256 (history blocks hold 128 or 512
     inputs): 274 copies of the first input, then the 16 inputs; copies cover nothing
     among themselves, so the result is the 16 inputs' own."""
-    import jaxslice.coverage._criteria as criteria
+    import jaxslice.coverage._pairs as pairs
 
     if not dense:
-        monkeypatch.setattr(criteria, "_DENSE", 0)
+        monkeypatch.setattr(pairs, "_DENSE", 0)
     crits = [C.SignSign(capacity=300), C.ValueValue(ratio=1.5, capacity=300)]
     t = C.Tracker(mlp.model, mlp.variables, mlp.x[:2], criteria=crits)
     t.update(jnp.repeat(mlp.x[:1], 137, axis=0))
@@ -139,10 +139,10 @@ def test_wide_layer_update_matches_reference(mlp, monkeypatch, products):
     """Wide layers take only the input pairs that can cover, a bounded number of
     products at a time; a small bound sends these small layers that way too (64: chunks
     of a few pairs, many per batch; 2**25: one chunk)."""
-    import jaxslice.coverage._criteria as criteria
+    import jaxslice.coverage._pairs as pairs
 
-    monkeypatch.setattr(criteria, "_PRODUCTS", products)
-    monkeypatch.setattr(criteria, "_DENSE", 0)
+    monkeypatch.setattr(pairs, "_PRODUCTS", products)
+    monkeypatch.setattr(pairs, "_DENSE", 0)
     t = C.Tracker(mlp.model, mlp.variables, mlp.x[:2], criteria=[make(s) for s in FOUR])
     t.update(mlp.x[:8])
     t.update(mlp.x[8:])
@@ -245,6 +245,57 @@ def test_pairs_across_batches_count(mlp, mlp_tracker):
     for h in halves:
         t.update(jnp.asarray(x[h]))
     assert_result(t.result(), ref_result(FOUR, t.layers, mlp.outs))
+
+
+def test_a_batch_of_a_new_size_compiles_nothing(mlp):
+    """After a batch of 8, batches of 5 and 3 are padded to 8 inside the tracker: nothing
+    compiles, the history holds the 16 inputs and no padding, and the figures are the
+    reference's."""
+    x = np.asarray(mlp.x)
+    t = C.Tracker(mlp.model, mlp.variables, mlp.x[:2], criteria=[make(s) for s in FOUR])
+    t.update(x[:8])
+    with count_compiles() as later:
+        t.update(x[8:13])
+        t.update(x[13:])
+    assert later.compiles == 0
+    assert [int(state[2]) for state in t.states] == [16] * 4
+    assert_result(t.result(), ref_result(FOUR, t.layers, mlp.outs))
+
+
+def test_the_four_share_one_history_written_in_place(mlp):
+    """A tracker's pair criteria keep one history (one array per layer for the four),
+    and an update reuses the state's memory: the arrays before it are gone after it."""
+    x = np.asarray(mlp.x)
+    t = C.Tracker(mlp.model, mlp.variables, mlp.x[:2], criteria=[make(s) for s in FOUR])
+    t.update(x[:8])
+    assert len({id(h) for state in t.states for h in state[1]}) == len(t.layers)
+    before = t.states[0][1][0]
+    t.update(x[8:])
+    assert before.is_deleted()
+    assert_result(t.result(), ref_result(FOUR, t.layers, mlp.outs))
+
+
+def test_padding_rows_cover_no_pairs(mlp, mlp_tracker):
+    """`update` with `valid`: six rows past the 16 inputs, with values that would cover
+    pairs with them, change nothing."""
+    t = mlp_tracker
+    rng = np.random.default_rng(7)
+    values = []
+    for n in t.layers:
+        v = neurons(mlp.outs[n], "channel")
+        values.append(jnp.asarray(np.concatenate([v, rng.normal(size=(6, v.shape[1])) * 3])))
+    valid = jnp.arange(22) < 16
+    result = {}
+    for spec in FOUR:
+        crit = make(spec)
+        state = crit.update(crit.init(t.sizes), values, None, None, valid)
+        assert int(state[2]) == 16
+        counts = [(int(c), n) for c, n in crit.counts(state)]
+        result[crit.name] = {
+            "total": sum(c for c, _ in counts) / sum(n for _, n in counts),
+            "layers": {k: c / n for k, (c, n) in zip(crit.keys(t.layers), counts, strict=True)},
+        }
+    assert_result(result, ref_result(FOUR, t.layers, mlp.outs))
 
 
 # =========================================================================== exact edge cases
@@ -572,10 +623,10 @@ def test_pairs_far_apart_in_a_long_history(monkeypatch, dense):
     of 512): the only covering pairs are an early input with two late ones, in different
     batches; both ways of forming the products (all pairs of a block, or only those that
     can cover)."""
-    import jaxslice.coverage._criteria as criteria
+    import jaxslice.coverage._pairs as pairs
 
     if not dense:
-        monkeypatch.setattr(criteria, "_DENSE", 0)
+        monkeypatch.setattr(pairs, "_DENSE", 0)
     t = C.Tracker(
         three_layers,
         P3,

@@ -479,3 +479,103 @@ def test_nodes_in_nested_plain_scans_are_listed_in_their_loop():
         h = h + 1
     want = 2 * jnp.tanh(h @ w[2, 0])  # iteration 0 of the inner loop in outer iteration 2
     close(g.slice(end="outer[2]/dbl[0]")(x)[0], want)
+
+
+# --------------------------------------------------------------------------- previews
+
+
+def test_at_previews_the_iterations_an_edit_touches_from_the_flax_model(scanned):
+    """`editor.at` counts, names and numbers the calls an edit would touch, as the model
+    itself has them: one per layer of the `nn.scan` (the leading axis of its stacked
+    parameters), each receiving what Flax records for that layer's mlp; nothing changes."""
+    model, variables = scanned
+    layers = jax.tree_util.tree_leaves(variables["params"]["layers"])[0].shape[0]
+    _, seen = Twin().apply(
+        {"params": _split_layers(variables)},
+        X,
+        capture_intermediates=True,
+        mutable=["intermediates"],
+    )
+    g = js.edit(model, variables, X)
+    every = g.at("layers[:]/mlp")
+    assert every.count == layers
+    assert every.names == tuple(f"layers[{k}]/mlp" for k in range(layers))
+    assert every.iterations == tuple((k,) for k in range(layers))
+    mlp = seen["intermediates"]["layers_0"]["mlp"]["__call__"][0]
+    assert (every.value.shape, every.value.dtype) == (mlp.shape, mlp.dtype)
+    last = g.at("layers[-1]/mlp:input")
+    assert (last.count, last.names, last.iterations) == (
+        1,
+        (f"layers[{layers - 1}]/mlp",),
+        ((layers - 1,),),
+    )
+    assert last.side == "input"
+    top = g.at("head")
+    assert (top.count, top.names, top.iterations) == (1, ("head",), ((),))
+    close(g.build()(X), model.apply(variables, X))  # a preview edits nothing
+
+
+def test_at_previews_a_node_inserted_at_every_iteration(scanned):
+    model, variables = scanned
+    g = js.edit(model, variables, X).insert_after("layers[:]/mlp", lambda m: m / 2, name="half")
+    node = g.at("half")
+    assert node.count == N
+    assert node.names == tuple(f"layers[{k}]/half" for k in range(N))
+    # The listed names pick the iterations the preview shows: row k is layer k's mlp, halved.
+    _, seen = Twin(mlp_edit=lambda k, m: m / 2).apply(
+        {"params": _split_layers(variables)},
+        X,
+        capture_intermediates=True,
+        mutable=["intermediates"],
+    )
+    close(
+        g.slice(end=node.names[3])(X), seen["intermediates"]["layers_3"]["mlp"]["__call__"][0] / 2
+    )
+
+
+def test_at_refuses_names_as_edits_do(scanned):
+    model, variables = scanned
+    g = js.edit(model, variables, X)
+    with pytest.raises(js.UnknownBoundaryError):
+        g.at("layers[:]/nothing")
+    with pytest.raises(js.SliceError):
+        g.at(f"layers[{N}]/mlp")  # past the last layer
+
+
+def _split_layers(variables):
+    p = dict(variables["params"])
+    stacked = p.pop("layers")
+    for k in range(N):
+        p[f"layers_{k}"] = jax.tree_util.tree_map(lambda a, k=k: a[k], stacked)
+    return p
+
+
+def test_edits_in_the_loop_apply_at_a_new_batch_size(scanned):
+    """The edited model traced again at another batch size meets the same edits: one
+    iteration's replacement and every iteration's insertion, as the twin has them."""
+    model, variables = scanned
+    g = js.edit(model, variables, X).replace("layers[2]/mlp", lambda h: h * 0)
+    g.insert_after("layers[:]/attn", lambda a: a + 1.0, name="shift")
+    x7 = jnp.asarray(np.random.default_rng(1).normal(size=(7, 4)), jnp.float32)
+
+    class ShiftTwin(nn.Module):  # the twin with attn's output shifted in every layer
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(D, name="embed")(x)
+            for k in range(N):
+                with_shift = _ShiftBlock(k == 2, name=f"layers_{k}")
+                x = with_shift(x)
+            return nn.Dense(3, name="head")(x)
+
+    want = ShiftTwin().apply({"params": _split_layers(variables)}, x7)
+    close(g.build()(x7), want)
+
+
+class _ShiftBlock(nn.Module):
+    zero_mlp: bool
+
+    @nn.compact
+    def __call__(self, x):
+        a = nn.Dense(D, name="attn")(x) + 1.0
+        m = nn.Dense(D, name="mlp")(jnp.tanh(a))
+        return x + (m * 0 if self.zero_mlp else m)

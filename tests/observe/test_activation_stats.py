@@ -1,7 +1,8 @@
 """`js.ActivationStats`: streaming statistics of boundary outputs.
 
 The oracle is NumPy over the outputs Flax's ``capture_intermediates`` records for all
-inputs at once (with ``relu`` applied by hand for ``position="activation"``).
+inputs at once (with ``relu`` applied by hand for ``position="activation"``); for a Keras
+model, over those of a functional Keras sub-model sharing its layers.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import jaxslice as js
 
 from helpers.models import CoverageCNN
-from helpers.oracles import captured, random_input, random_variables
+from helpers.oracles import captured, import_keras, random_input, random_variables
 
 CNN = CoverageCNN
 
@@ -68,6 +69,30 @@ def test_output_statistics_stream_over_batches(per):
         assert all(isinstance(got[n][k], float) for n in names for k in got[n])
     else:
         assert np.shape(got["conv2"]["mean"]) == (4,)
+
+
+def test_a_keras_model_is_read_as_it_trains():
+    """Statistics made before the model trains follow its variables: an update reads the
+    model's `keras.Variable`s then, as its slices do."""
+    keras = import_keras()
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((3,))
+    h = keras.layers.Dense(6, activation="relu", name="fc1")(inp)
+    model = keras.Model(inp, keras.layers.Dense(2, name="head")(h))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 3)).astype(np.float32)
+    names = ["fc1", "head"]
+    stats = js.ActivationStats(model, x[:2], names=names)
+    sub = keras.Model(model.inputs[0], [model.get_layer(n).output for n in names])
+    values = lambda: zip(names, sub(x), strict=True)  # noqa: E731
+    before = {n: numpy_stats(np.asarray(o, np.float64), "tensor") for n, o in values()}
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, rng.normal(size=(16, 2)).astype(np.float32), epochs=10, verbose=0)
+    stats.update(x[:8])
+    stats.update(x[8:])
+    after = {n: numpy_stats(np.asarray(o, np.float64), "tensor") for n, o in values()}
+    assert abs(after["head"]["mean"] - before["head"]["mean"]) > 1e-3  # the training moved it
+    assert_stats(stats.result(), after)
 
 
 def test_activation_position_streaming_equals_one_batch():

@@ -19,8 +19,7 @@ The rules:
    an imported jaxslice module (``_compat._helper``, ``plan._step``,
    ``jaxslice._core.plan._step``). Dunder names are fine. Name lookup follows Python's
    scopes, so a parameter or local variable that shadows a module alias is not a module.
-   Underscore attributes of *objects* (``sliced._base``) are not statically checkable and
-   are not checked. A private name that is neither a module on disk nor bound by the
+   Underscore attributes of *objects* (``sliced._base``) are rule 7's. A private name that is neither a module on disk nor bound by the
    module it is imported from (``from . import _markers`` after ``_markers.py`` moved) is
    reported as a stale import.
 3. No import cycles among jaxslice modules. Every import statement counts (module level,
@@ -59,6 +58,28 @@ The rules:
    *average* complexity: it rewarded splitting linear code into one-caller helpers (JAX's
    own `partial_eval` keeps long, linear functions where the logic is linear); a module
    that grows past one job shows up in its length instead, and is split by job.
+6. No import cycles among the package's *parts*. A part is one of the package's first-level
+   subpackages with everything under it (``jaxslice._core``, ``jaxslice.adapters``,
+   ``jaxslice.coverage``, ``jaxslice.observe``, ``jaxslice.render``, ``jaxslice._errors``,
+   ...), or one of the package's own modules on its own (``jaxslice._slice``,
+   ``jaxslice._view``, ..., and ``jaxslice`` itself, its ``__init__``). Part ``A`` depends
+   on part ``B`` when a module of ``A`` imports a module of ``B`` by rule 3's edges (so
+   deferred imports count). The parts must form a DAG: ``_core`` importing ``adapters``
+   while an adapter imports ``_core.markers`` is a cycle even though no two *modules*
+   import each other, and so is a lower part reaching a higher one through a registry it
+   could not import (the registry itself is not seen: keep dependencies importable).
+7. No module reads or writes another object's private attributes: ``x._name`` (an
+   attribute load, store or delete, or ``getattr``/``hasattr``/``setattr``/``delattr``
+   with the constant name ``"_name"``) where ``x`` is not ``self``, ``cls`` or
+   ``super()``, ``_name`` is not a dunder, and no class of the module defines ``_name``
+   (a method or class attribute) and the module never assigns it on ``self``/``cls``
+   (``self._name = ...``, ``object.__setattr__(self, "_name", ...)``). So a class may
+   read its own fields on another instance of itself (``other._key`` in ``__eq__``), but
+   ``tracker._observer`` in another module is a finding: the owner offers what is needed
+   as a public or package-level method or property. Module aliases (``_compat._f``) are
+   rule 2's. Other libraries' private attributes that jaxslice must read are listed, each
+   with its reason, in `THIRD_PARTY_PRIVATE` (or read in ``_compat.py``, which is exempt
+   as for rule 1); a listed entry that no longer occurs is reported too.
 """
 
 from __future__ import annotations
@@ -476,6 +497,154 @@ def describe_cycle(graph: nx.DiGraph, cycle: tuple[str, ...]) -> str:
     return "\n".join(steps)
 
 
+# --------------------------------------------------------------------------- 6. package cycles
+
+
+def part_of(dotted: str) -> str:
+    """The part (rule 6) a module belongs to: its first-level subpackage, or the module
+    itself for the package's own modules and its ``__init__``."""
+    return ".".join(dotted.split(".")[:2])
+
+
+def part_graph(package: Package) -> nx.DiGraph:
+    """Part -> part, each edge with ``lines``: the module imports it stands for."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(
+        (part_of(m.name), {"display": package.where(part_of(m.name))})
+        for m in package.modules.values()
+    )
+    modules = import_graph(package)
+    for a, b, data in modules.edges(data=True):
+        pa, pb = part_of(a), part_of(b)
+        if pa == pb:
+            continue
+        if not graph.has_edge(pa, pb):
+            graph.add_edge(pa, pb, lines=[])
+        display = modules.nodes[a]["display"]
+        graph.edges[pa, pb]["lines"] += [
+            f"{display}:{n} -> {b}" for n in sorted(set(data["lines"]))
+        ]
+    return graph
+
+
+def describe_part_cycle(graph: nx.DiGraph, cycle: tuple[str, ...]) -> str:
+    steps = [f"    {cycle[0]}"]
+    for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True):
+        imports = graph.edges[a, b]["lines"]
+        shown = ", ".join(imports[:3]) + (
+            f", ... ({len(imports)} imports)" if len(imports) > 3 else ""
+        )
+        steps.append(f"      -> {b}   ({shown})")
+    return "\n".join(steps)
+
+
+# --------------------------------------------------------------------------- 7. private attributes
+
+#: Other libraries' private attributes jaxslice reads (rule 7): ``(file, name): why``.
+THIRD_PARTY_PRIVATE = {
+    ("jaxslice/adapters/_keras.py", "_flatten_layers"): (
+        "Keras's own walk over a layer's sublayers, in the order it tracks them; the public "
+        "`layers` exists on models only (the code falls back to it where the method is missing)"
+    ),
+    ("jaxslice/adapters/_plain.py", "_getframe"): (
+        "Python's documented `sys._getframe`, to find the user's frame for a warning's "
+        "`stacklevel` without building the whole stack (`inspect.stack` reads every file)"
+    ),
+    ("jaxslice/adapters/_keras_model.py", "_value"): (
+        "Keras's JAX trainer detaches a variable by setting its `_value` to None while it holds "
+        "the values; no public attribute tells a detached variable, which a slice puts back "
+        "after a failed `fit`"
+    ),
+}
+
+_ATTRIBUTE_FUNCTIONS = ("getattr", "hasattr", "setattr", "delattr")
+
+
+def _own_private_names(module: Module) -> set[str]:
+    """Private names the module's classes define or its code assigns on ``self``/``cls``."""
+    own = set()
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.ClassDef):
+            for stmt in node.body:
+                if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    own.add(stmt.name)
+                elif isinstance(stmt, ast.Assign | ast.AnnAssign):
+                    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                    own |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Load):
+            if _is_own(node.value):
+                own.add(node.attr)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "__setattr__"
+            and len(node.args) >= 2
+            and _is_own(node.args[0])
+        ):
+            own.add(_constant_name(node.args[1]) or "")
+    return {n for n in own if is_private(n)}
+
+
+def _is_own(node: ast.AST) -> bool:
+    """``self``, ``cls`` or ``super()``."""
+    if isinstance(node, ast.Name):
+        return node.id in ("self", "cls")
+    return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "super"
+
+
+def _constant_name(node: ast.AST) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _attribute_uses(module: Module):
+    """``(line, base node, name, source)`` for each attribute use rule 7 looks at."""
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Attribute):
+            yield node.lineno, node.value, node.attr, ast.unparse(node)
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) in _ATTRIBUTE_FUNCTIONS
+            and len(node.args) >= 2
+            and (name := _constant_name(node.args[1])) is not None
+        ):
+            yield node.lineno, node.args[0], name, ast.unparse(node)
+
+
+def private_attribute_uses(
+    package: Package, allowed: dict[tuple[str, str], str], exempt: str = COMPAT
+) -> tuple[list[Finding], list[tuple[str, str]]]:
+    """(findings, allow-list entries that matched nothing)."""
+    findings, used = [], set()
+    for module in package.modules.values():
+        if module.name == exempt:
+            continue
+        own = _own_private_names(module)
+        modules = {
+            n
+            for n, target in _scope_bindings(module.tree, module).items()
+            if target and package.owns(target) and package.is_module(target)
+        }
+        for line, base, name, source in _attribute_uses(module):
+            if not is_private(name) or name in own or _is_own(base):
+                continue
+            if isinstance(base, ast.Name) and base.id in modules:
+                continue  # a module alias: rule 2
+            if (module.display, name) in allowed:
+                used.add((module.display, name))
+                continue
+            findings.append(
+                Finding(
+                    module.display,
+                    line,
+                    f"`{source}` uses `{name}`, a private attribute of an object no class of "
+                    f"this module defines: use (or add) a public or package-level method or "
+                    f"property of its owner; another library's goes in THIRD_PARTY_PRIVATE, "
+                    f"with why",
+                )
+            )
+    return findings, sorted(set(allowed) - used)
+
+
 # --------------------------------------------------------------------------- 5. complexity
 
 
@@ -556,6 +725,23 @@ def test_no_import_cycles(package):
         f"Cycles (shortest first{', first ' + str(CYCLES_SHOWN) if len(cycles) > CYCLES_SHOWN else ''}):\n"
         f"{shown}"
     )
+
+
+def test_no_package_cycles(package):
+    graph = part_graph(package)
+    cycles = import_cycles(graph)
+    shown = "\n".join(describe_part_cycle(graph, c) for c in cycles[:CYCLES_SHOWN])
+    assert not cycles, (
+        f"{len(cycles)} import cycle(s) among the package's parts (first-level subpackages and "
+        f"top-level modules; see rule 6): a lower part must not import a higher one, not even "
+        f"inside a function. Pass what it needs in, or move the shared code down.\n{shown}"
+    )
+
+
+def test_no_private_attributes_of_other_objects(package):
+    findings, stale = private_attribute_uses(package, THIRD_PARTY_PRIVATE)
+    assert not findings, report("private attributes of other objects used", findings)
+    assert not stale, f"THIRD_PARTY_PRIVATE entries that no longer occur (remove them): {stale}"
 
 
 _FLAX_PROBE = r"""
@@ -824,6 +1010,84 @@ def test_checker_cycle_rules(tmp_path):
             "pkg/c.py": "def y():\n    import pkg.a as a\n",
         },
     ) == [("pkg.a", "pkg.b", "pkg.c")]
+
+
+def test_checker_package_cycles(tmp_path):
+    # No two modules import each other, but the parts do: core -> adapters -> core.
+    files = {
+        "pkg/__init__.py": "from ._slice import slice\n",
+        "pkg/_view.py": "",
+        "pkg/_slice.py": "from .adapters import find\nfrom . import _view\n",
+        "pkg/core/__init__.py": "",
+        "pkg/core/markers.py": "",
+        "pkg/core/trace.py": "from ..adapters import find\n",
+        "pkg/adapters/__init__.py": "from ._base import find\n",
+        "pkg/adapters/_base.py": "from ..core.markers import m\nfrom .._view import v\n",
+        "pkg/adapters/_keras.py": "def rebuild():\n    from .._slice import slice\n",
+    }
+    pkg = write_tree(tmp_path, files)
+    assert not import_cycles(import_graph(pkg))
+    graph = part_graph(pkg)
+    assert import_cycles(graph) == [("pkg._slice", "pkg.adapters"), ("pkg.adapters", "pkg.core")]
+    text = describe_part_cycle(graph, ("pkg.adapters", "pkg.core"))
+    assert "-> pkg.core   (pkg/adapters/_base.py:1 -> pkg.core, " in text
+    assert "pkg/adapters/_base.py:1 -> pkg.core.markers" in text
+    assert "-> pkg.adapters   (pkg/core/trace.py:1 -> pkg.adapters)" in text
+    assert part_of("pkg.core.trace") == "pkg.core" and part_of("pkg._slice") == "pkg._slice"
+    assert part_of("pkg") == "pkg"
+    # The core taking the adapter from its caller, and no rebuild from above: a DAG.
+    files["pkg/core/trace.py"] = "def trace(adapter):\n    return adapter\n"
+    files["pkg/adapters/_keras.py"] = ""
+    assert not import_cycles(part_graph(write_tree(tmp_path / "fixed", files)))
+
+
+def test_checker_private_attributes(tmp_path):
+    pkg = write_tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/_compat.py": "def f(x):\n    return x._internal\n",
+            "pkg/_x.py": "def _helper(): pass\n",
+            "pkg/a.py": """\
+                from . import _x
+
+                class Tracker:
+                    _limit = 3
+
+                    def __init__(self):
+                        self._seen = 0
+                        object.__setattr__(self, "_frozen", 1)
+
+                    def _own(self):
+                        return super()._own() + cls._limit
+
+                    def same(self, other):
+                        return other._seen + other._frozen + other._own() + other._limit
+
+                def read(tracker, v):
+                    a = tracker._observer
+                    b = getattr(tracker, "_names", None)
+                    tracker._search = 1
+                    c = hasattr(v, "_value") + v.__dict__ + _x._helper()
+                    return a, b, c, v._value, tracker.observer._inputs
+            """,
+        },
+    )
+    findings, stale = private_attribute_uses(
+        pkg, {("pkg/a.py", "_value"): "why", ("pkg/a.py", "_gone"): "why"}, exempt="pkg._compat"
+    )
+    assert flagged(findings) == {
+        ("pkg/a.py", 17),
+        ("pkg/a.py", 18),
+        ("pkg/a.py", 19),
+        ("pkg/a.py", 21),
+    }
+    text = "\n".join(map(str, findings))
+    assert "pkg/a.py:17: `tracker._observer` uses `_observer`, a private attribute" in text
+    assert "`getattr(tracker, '_names', None)` uses `_names`" in text
+    assert "`tracker._search` uses `_search`" in text
+    assert "`tracker.observer._inputs` uses `_inputs`" in text
+    assert stale == [("pkg/a.py", "_gone")]
 
 
 def test_checker_complexity_matches_radon_cli(tmp_path):

@@ -249,16 +249,18 @@ def test_a_traced_graph_is_frozen_once_built():
     """Graphs are shared through the trace cache: a graph that slices, intermediates and
     boundaries read can no longer be changed, and slicing it twice changes nothing."""
     from jaxslice._core.trace import trace
+    from jaxslice.adapters import adapter_for
 
     js.clear_caches()
     model, x = Counted(), jnp.ones((3, 5))
     variables = model.init(jax.random.key(0), x)
-    graph = trace(model, (variables, x), {}).graph
+    graph = trace(model, (variables, x), {}, adapter=adapter_for(model)).graph
     calls = [(c.qualname, c.start, c.stop) for c in graph.calls]
     with pytest.raises(AttributeError, match="frozen"):
         graph.partial = True
     assert isinstance(graph.calls, tuple) and isinstance(graph.eqns, tuple)
     js.slice(model, variables, x, start="head")
     js.intermediates(model, variables, x, names=["body"])
-    assert trace(model, (variables, x), {}).graph is graph  # the cached graph, unchanged
+    # the cached graph, unchanged
+    assert trace(model, (variables, x), {}, adapter=adapter_for(model)).graph is graph
     assert [(c.qualname, c.start, c.stop) for c in graph.calls] == calls

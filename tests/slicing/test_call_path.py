@@ -301,6 +301,82 @@ def test_a_call_with_a_python_number_leaves_array_calls_jitted():
     assert_trees_all_close(sub(x), f(params, x, 2))
 
 
+# --------------------------------------------------------------------------- a path decided up front
+
+PACKAGE_DIR = js.__file__.rsplit("/", 1)[0]
+
+
+def _exceptions_in_jaxslice(fn: Any) -> list[str]:
+    """``file:line ExceptionType`` for every exception raised or passing through a
+    jaxslice frame while `fn()` runs (JAX's own frames are not looked at)."""
+    seen: list[str] = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if not frame.f_code.co_filename.startswith(PACKAGE_DIR):
+            return None
+        if event == "exception":
+            seen.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {arg[0].__name__}")
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return seen
+
+
+def test_no_call_that_succeeds_raises_on_the_way():
+    """The path of a call (jitted or checked) is decided from facts before it runs: a call
+    that succeeds raises and catches nothing inside jaxslice, whether its kind is jitted
+    (arrays), checked for good (outputs that are constants of the trace), or checked for
+    this call only (a Python number the trace fixed), first call or repeated."""
+
+    def f(params, x, n):
+        return {"y": x @ params["w"] * n, "n": n, "tag": "out"}
+
+    def g(params, x):
+        return jnp.tanh(x @ params["w"])
+
+    params, x = {"w": jnp.ones((3, 2))}, jnp.ones((4, 3))
+    with_constants, plain = js.slice(f, params, x, 2), js.slice(g, params, x)
+    calls = {
+        "constants, first": lambda: with_constants(x),
+        "constants, again": lambda: with_constants(x),
+        "python number": lambda: with_constants(x, 2),
+        "arrays, first": lambda: plain(x),
+        "arrays, again": lambda: plain(x),
+        "apply": lambda: plain.apply(plain.variables, x),
+    }
+    for name, call in calls.items():
+        assert _exceptions_in_jaxslice(call) == [], name
+    out = with_constants(x)
+    assert type(out["n"]) is int and out["tag"] == "out"  # as `f` returns them
+    assert_trees_all_close(out["y"], f(params, x, 2)["y"])
+    assert_trees_all_close(plain(x), g(params, x))
+
+
+def test_a_failed_call_decides_nothing_for_its_kind(net):
+    """A first call of its kind with variables of another dtype raises jaxslice's error
+    (not JAX's) and leaves the kind jitted: later calls with good variables cost what the
+    calls of a slice that never failed cost, and compute the model's values."""
+    model, variables, x = net
+    failed, fresh = js.slice(model, variables, x), js.slice(model, variables, x)
+    bad = jax.tree_util.tree_map(lambda a: a.astype(jnp.int32), failed.variables)
+    for _ in range(2):
+        with pytest.raises(js.VariablesMismatchError, match="int32"):
+            failed.apply(bad, x)
+    for sub in (failed, fresh):
+        for _ in range(3):
+            sub.apply(sub.variables, x)
+    cost = [
+        min(_python_calls(lambda s=s: s.apply(s.variables, x)) for _ in range(3))
+        for s in (failed, fresh)
+    ]
+    assert cost[0] == cost[1], cost
+    assert_trees_all_close(failed.apply(failed.variables, x), model.apply(variables, x))
+
+
 # --------------------------------------------------------------------------- the first call
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxslice as js
-from jaxslice._core.jaxprs import Env, Evaluator, Finder, carried_scan, row
+from jaxslice._core.jaxprs import Env, Evaluator, Finder, carried_scan, loop_rule, row
 from jaxslice._core.markers import marking
 
 from helpers.models import ScannedModel
@@ -36,6 +36,63 @@ def test_carried_scan_gives_each_step_its_row(reverse):
     assert int(carry) == want
     np.testing.assert_array_equal(seen, [2, 3, 4, 5])
     np.testing.assert_array_equal(rows, np.asarray(xs)[2:6])
+
+
+def _loop_eqn(fn, *args):
+    closed = jax.make_jaxpr(fn)(*args)
+    (eqn,) = [e for e in closed.jaxpr.eqns if loop_rule(e) is not None]
+    return eqn
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_while_rule_runs_its_body_with_the_iteration_index_and_keeps_the_last_values(jit):
+    """A `while` run again by its rule with a step that also sees the iteration index and
+    lets a value leave the loop: the loop's results as JAX's own, the value the last
+    iteration's, and the number of iterations known only when the loop runs."""
+
+    def loop(x):
+        return jax.lax.while_loop(lambda c: c.sum() < 20.0, lambda c: c * 2.0 + 1.0, x)
+
+    x = jnp.ones(2)
+    eqn = _loop_eqn(loop, x)
+    rule = loop_rule(eqn)
+    assert rule.length(eqn) is None and not rule.counted
+
+    def step(jaxpr, consts, args, i, free):
+        outs = Evaluator().run(jaxpr, consts, args, None)
+        return outs, {"i": i, "out": outs[0]}
+
+    def again(x):
+        return rule.run(eqn, [x], [False], step)
+
+    for start in (x, x * 4.0):  # another number of iterations, one compiled loop
+        outs, leaving = (jax.jit(again) if jit else again)(start)
+        c, seen = start, []  # the oracle: the loop in Python
+        while float(c.sum()) < 20.0:
+            c = c * 2.0 + 1.0
+            seen.append(c)
+        np.testing.assert_allclose(outs[0], loop(start))
+        assert int(leaving["i"]) == len(seen) - 1
+        np.testing.assert_allclose(leaving["out"], seen[-1])
+
+
+def test_the_scan_rule_stacks_what_leaves_its_body():
+    def loop(c, xs):
+        return jax.lax.scan(lambda c, x: (c + x, c * x), c, xs)
+
+    c, xs = jnp.float32(1.0), jnp.arange(4.0)
+    eqn = _loop_eqn(loop, c, xs)
+    rule = loop_rule(eqn)
+    assert rule.length(eqn) == 4 and rule.counted
+
+    def step(jaxpr, consts, args, i, free):
+        return Evaluator().run(jaxpr, consts, args, None), {"i": i}
+
+    outs, leaving = rule.run(eqn, [c, xs], [False, False], step)
+    want = loop(c, xs)
+    np.testing.assert_allclose(outs[0], want[0])
+    np.testing.assert_allclose(outs[1], want[1])
+    np.testing.assert_array_equal(leaving["i"], [0, 1, 2, 3])
 
 
 def test_row_is_one_dynamic_slice_and_matches_indexing():
@@ -116,9 +173,9 @@ class _Recorder(Evaluator):
         self.seen.append(("side", len(markers)))
         super().call_side(markers, env, ctx)
 
-    def scan(self, eqn, ins, env, ctx):
-        self.seen.append(("scan", eqn.primitive.name))
-        return super().scan(eqn, ins, env, ctx)
+    def loop(self, eqn, rule, ins, env, ctx):
+        self.seen.append(("loop", eqn.primitive.name))
+        return super().loop(eqn, rule, ins, env, ctx)
 
     def call(self, eqn, body, ins, env, ctx):
         self.seen.append(("call", eqn.primitive.name))
@@ -147,7 +204,7 @@ def test_each_kind_of_equation_reaches_its_rule_and_a_call_side_comes_whole():
     # the two input markers of `pair` come as one side, its one output marker as another
     assert [s for s in recorder.seen if s[0] == "side"] == [("side", 2), ("side", 1)]
     assert kinds.index("side") < kinds.index("call")
-    assert ("scan", "scan") in recorder.seen
+    assert ("loop", "scan") in recorder.seen and ("loop", "while") in recorder.seen
     assert ("call", "jit") in recorder.seen
     assert ("other", "while") in recorder.seen and ("other", "cond") in recorder.seen
     assert ("other", "sin") in recorder.seen  # the jit's body, run inline by the call rule
