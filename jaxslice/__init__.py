@@ -23,6 +23,9 @@ from ._errors import VariablesMismatchError as VariablesMismatchError
 from ._intermediates import intermediates as intermediates
 from ._interpreter import Equation as Equation
 from ._interpreter import Interpreter as Interpreter
+from ._lens import Lens as Lens
+from ._lens import Site as Site
+from ._lens import lens as lens
 from ._slice import Sliceable as Sliceable
 from ._slice import slice as slice  # noqa: A004
 from ._sliced import Sliced as Sliced
@@ -68,6 +71,7 @@ __all__ = [
     "Equation",
     "InputMismatchError",
     "Interpreter",
+    "Lens",
     "InvalidSpecError",
     "MissingInputError",
     "ModelTraceError",
@@ -85,6 +89,7 @@ __all__ = [
     "coverage",
     "edit",
     "intermediates",
+    "lens",
     "mark",
     "slice",
 ]

@@ -21,11 +21,12 @@ from ._trees import nest
 from .adapters import Adapter, Split, adapter_for
 
 _PROGRAMS = LRU(maxsize=16)
+ALL = "all"  # every call's output, loops included
 
 
-def _names(names: Any) -> tuple[str, ...] | None:
-    if names is None:
-        return None
+def _names(names: Any) -> Any:
+    if names is None or (isinstance(names, str) and names == ALL):
+        return names
     try:
         found = None if isinstance(names, str) else tuple(names)
     except TypeError:
@@ -43,7 +44,11 @@ def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> 
       target, *args, **kwargs: as for `js.slice` (``model, variables, *inputs`` for linen,
         ``fn, params, *inputs`` for plain functions, ``model, *inputs`` for NNX).
       names: boundary names (``name``, ``name@k``, ``name:input``); None for the output of
-        every module call outside loops.
+        every module call outside loops; ``"all"`` for every call's output, inside scans
+        too (``layers[:]/mlp``, every iteration's stacked on a leading axis), from one
+        pass that keeps each scan one loop (calls inside a `while_loop` or a `cond` branch
+        are left out: they have no value per iteration to stack; an NNX model's state is
+        not updated by this pass).
 
     Returns:
       ``{name: value}`` in the order of `names` (or of the calls). For a linen model
@@ -62,6 +67,8 @@ def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> 
     names = _names(names)
     adapter = adapter_for(target)
     split = adapter.split(target, args, kwargs)
+    if names == ALL:
+        return _every_value(adapter, target, args, kwargs, split)
     traced = traced_key(adapter, target, split)
     key = None if traced is None else (names, traced)
     program = _PROGRAMS.get(key) if key is not None else None
@@ -73,6 +80,24 @@ def intermediates(target: Any, *args: Any, names: Any = None, **kwargs: Any) -> 
     if not split.mutable or program.adapter.holds_variables:
         return values
     return values, nest([p for p, _ in state], [v for _, v in state])
+
+
+def _every_value(
+    adapter: Adapter, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], split: Split
+) -> dict[str, Any]:
+    """``names="all"``: a lens (`_lens.Lens`) with no interventions reads them all."""
+    if split.mutable and not adapter.holds_variables:
+        raise NamesSpecError(names="all, with mutable (name the boundaries instead)")
+    traced = traced_key(adapter, target, split)
+    key = None if traced is None else (ALL, traced)
+    found = _PROGRAMS.get(key) if key is not None else None
+    if found is None or (adapter.holds_variables and found.target is not target):
+        from ._lens import Lens
+
+        found = Lens(target, args, kwargs, sites=())
+        if key is not None:
+            _PROGRAMS.put(key, found)
+    return found.whole_values(split.args, {**split.kwargs, **split.mode})
 
 
 def _program(adapter: Adapter, target: Any, split: Split, names: Any) -> Any:

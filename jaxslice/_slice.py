@@ -8,7 +8,6 @@ from . import _compat
 from ._core.program import SliceProgram
 from ._sliced import Sliced
 from .adapters import adapter_for
-from .adapters._base import ENTRY_POINTS
 
 
 def slice(target: Any, *args: Any, start: Any = None, end: Any = None, **kwargs: Any) -> Any:  # noqa: A001
@@ -51,9 +50,6 @@ def slice(target: Any, *args: Any, start: Any = None, end: Any = None, **kwargs:
     """
     program = SliceProgram.build(target, args, kwargs, start, end, adapter=adapter_for(target))
     return view(program, target)
-
-
-ENTRY_POINTS["slice"] = slice
 
 
 def view(program: SliceProgram, target: Any = None) -> Any:

@@ -138,6 +138,12 @@ class Hooks:
         """Receives `close_loop`'s values stacked over a scan's iterations (from a
         `while`: the last iteration's, zeros where it ran none)."""
 
+    def skipped_rows(self, eqn: Any, path: tuple[Any, ...]) -> int:
+        """How many first iterations of the scan `eqn` (inside the loops `path`) the
+        hooks have nothing to do in: those run as the model runs them, as a scan of their
+        own, with zeros for what they would have let leave the loop."""
+        return 0
+
 
 def _leaves_like(new: Any, value: Any, name: str, side: str) -> list[Any]:
     """The leaves of a hook's replacement `new`, which must have `value`'s structure."""
@@ -351,7 +357,8 @@ class _Rules(Evaluator):
             outs = self.body(jaxpr, consts, args, at.inside(i), free)
             return outs, self.hooks.close_loop(token)
 
-        outs, leaving = rule.run(eqn, ins, env.params_of(eqn), step)
+        skip = self.hooks.skipped_rows(eqn, at.path) if rule.counted else 0
+        outs, leaving = rule.run(eqn, ins, env.params_of(eqn), step, skip)
         if leaving:
             self.hooks.leave_loop(dict(leaving))
         return outs

@@ -81,11 +81,13 @@ class LoopRule:
         return None
 
     def run(
-        self, eqn: Any, ins: list[Any], free: Sequence[bool], step: Step
+        self, eqn: Any, ins: list[Any], free: Sequence[bool], step: Step, skip: int = 0
     ) -> tuple[list[Any], Any]:
         """The loop run again on `ins` with `step` as its body; returns its results and
         what `step` let leave the loop (None if it never ran): stacked over the
-        iterations where they are counted, else the last iteration's."""
+        iterations where they are counted, else the last iteration's. Where counted, the
+        first `skip` iterations may run the body as it is (no `step`: what leaves the loop
+        is zeros there), as a loop of their own."""
         raise NotImplementedError
 
 
@@ -105,28 +107,41 @@ class ScanRule(LoopRule):
         return self.parts(eqn).length
 
     def run(
-        self, eqn: Any, ins: list[Any], free: Sequence[bool], step: Step
+        self, eqn: Any, ins: list[Any], free: Sequence[bool], step: Step, skip: int = 0
     ) -> tuple[list[Any], Any]:
         parts = self.parts(eqn)
         n, nc, nk = parts.length, parts.num_consts, parts.num_carry
         if n == 0:
             return _compat.bind_eqn(eqn, ins), None
-        consts = ins[:nc]
+        consts, carry, xs = ins[:nc], ins[nc : nc + nk], list(ins[nc + nk :])
         # A row of a stacked variable is a variable of the iteration; the carry is not.
         body_free = [*free[:nc], *[False] * nk, *free[nc + nk :]]
+        skip = 0 if parts.reverse else min(max(skip, 0), n)
+        ys_before = None
+        if skip:  # the first iterations as the model runs them, a loop of their own
+
+            def plain(c: list[Any], i: Any, x: list[Any]) -> Any:
+                outs = Evaluator().run(parts.jaxpr, parts.consts, [*consts, *c, *x], None)
+                return outs[:nk], outs[nk:]
+
+            before = [x[:skip] for x in xs]
+            carry, ys_before = carried_scan(
+                plain, carry, before, rows=(0, skip), reverse=False, unroll=parts.unroll
+            )
+            xs = [x[skip:] for x in xs]
 
         def one(c: list[Any], i: Any, x: list[Any]) -> Any:
             outs, leaving = step(parts.jaxpr, parts.consts, [*consts, *c, *x], i, body_free)
             return outs[:nk], (outs[nk:], leaving)
 
         carry, (ys, leaving) = carried_scan(
-            one,
-            ins[nc : nc + nk],
-            list(ins[nc + nk :]),
-            rows=(0, n),
-            reverse=parts.reverse,
-            unroll=parts.unroll,
+            one, carry, xs, rows=(skip, n), reverse=parts.reverse, unroll=parts.unroll
         )
+        if ys_before is not None:
+            ys = [jnp.concatenate([a, b]) for a, b in zip(ys_before, ys, strict=True)]
+            leaving = jax.tree_util.tree_map(
+                lambda v: jnp.concatenate([jnp.zeros((skip, *v.shape[1:]), v.dtype), v]), leaving
+            )
         return [*carry, *ys], leaving
 
 
@@ -140,7 +155,7 @@ class WhileRule(LoopRule):
         return _compat.open_jaxpr(_compat.while_parts(eqn)[1])[0]
 
     def run(
-        self, eqn: Any, ins: list[Any], free: Sequence[bool], step: Step
+        self, eqn: Any, ins: list[Any], free: Sequence[bool], step: Step, skip: int = 0
     ) -> tuple[list[Any], Any]:
         cond, body, nc, nb = _compat.while_parts(eqn)
         cond_jaxpr, cond_consts = _compat.open_jaxpr(cond)

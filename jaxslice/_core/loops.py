@@ -50,7 +50,7 @@ from .loop_expander import Ctx, Expander
 from .loop_requests import request
 from .loop_rows import Fixed, mark_state_rows
 from .markers import INPUT, OUTPUT
-from .ports import spec_items
+from .ports import ActivationOf, spec_items
 from .selection import Name, Selection, resolver_of
 
 #: a name that picks iterations (None for one made here), and its record
@@ -58,18 +58,29 @@ Looped = tuple[Name | None, Selection]
 
 
 def loop_selections(graph: Graph, start: Any, end: Any) -> list[Looped]:
-    """The names in `start` and `end` (parsed, `ports.parsed`) that pick iterations of
-    calls inside scans, each with its record in `graph`."""
+    """The names in `start` and `end` (parsed, `ports.parsed`, or records of `graph`
+    resolved before) that pick iterations of calls inside scans, each with its record in
+    `graph` (a record comes with no name: it is found in the expanded graph by its key)."""
     resolver = resolver_of(graph)
     names = [(name, INPUT) for name in spec_items(start)]
-    names += [(getattr(name, "name", name), OUTPUT) for name in spec_items(end)]
+    names += [(_named(name), OUTPUT) for name in spec_items(end)]
     found = [(name, resolver.in_loops(name, side)) for name, side in names]
-    looped = [(name, where) for name, where in found if where is not None]
+    looped = [(_name_of(name), where) for name, where in found if where is not None]
     if looped:
         resolver.check_wholes(
             [name for name, where in found if where is None], [w for _, w in looped]
         )
     return looped
+
+
+def _named(end: Any) -> Any:
+    """What an end names: the boundary of an activation, else the end itself."""
+    return end.name if isinstance(end, ActivationOf) else end
+
+
+def _name_of(name: Any) -> Name | None:
+    """The name `expand` makes an alias of (None for a record)."""
+    return name if isinstance(name, Name) else None
 
 
 def written_out(graph: Graph) -> Graph:

@@ -1,7 +1,8 @@
 """Ports: the values a start or an end of a slice stands for.
 
 A port is one side (input or output) of a call: a `selection.Selection`, which
-`resolve_starts` and `resolve_ends` make from the parsed names (`parsed`). As an end, an
+`resolve_starts` and `resolve_ends` make from the parsed names (`parsed`), or take as
+given where a caller resolved it before (an observer's layers). As an end, an
 output port yields the call's whole result pytree and an input port its array arguments.
 As a start, an output port is one argument of the slice (the module's whole result); an
 input port contributes each of the call's arguments that holds an array that is not a
@@ -26,7 +27,7 @@ import jax
 from .._errors import EmptyEndError, EndSpecError, NoActivationError, StartSpecError
 from .graph import Call, Eqn, Graph, Slot
 from .markers import INPUT, OUTPUT
-from .selection import Name, Resolver, Selection
+from .selection import Name, Resolver, Selection, resolver_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +147,9 @@ def port_value_tree(graph: Graph, port: Selection) -> Any:
 
 def parsed(spec: Any) -> Any:
     """A `start` or `end` (one name, an activation, None, or a list, tuple or dict of
-    them) with each name parsed once into a `selection.Name`; anything else is kept as
-    given, to be refused when it is resolved."""
+    them) with each name parsed once into a `selection.Name`; anything else (a record
+    resolved before, a `Selection`, too) is kept as given, to be refused when it is
+    resolved if it is no name."""
     if isinstance(spec, str):
         return Name.of(spec)
     if isinstance(spec, ActivationOf) and isinstance(spec.name, str):
@@ -165,14 +167,29 @@ def _parsed_item(spec: Any) -> Any:
 
 def written(spec: Any) -> Any:
     """A parsed `start` or `end` as the user wrote it (for messages)."""
-    if isinstance(spec, Name):
+    if isinstance(spec, Name | Selection):
         return spec.spec
-    if isinstance(spec, ActivationOf) and isinstance(spec.name, Name):
+    if isinstance(spec, ActivationOf) and isinstance(spec.name, Name | Selection):
         return ActivationOf(spec.name.spec)
     if isinstance(spec, (list, tuple)):
         return type(spec)(s if isinstance(s, (list, tuple, dict)) else written(s) for s in spec)
     if isinstance(spec, dict):
         return {k: s if isinstance(s, (list, tuple, dict)) else written(s) for k, s in spec.items()}
+    return spec
+
+
+def adopted(graph: Graph, spec: Any) -> Any:
+    """A parsed `start` or `end` with each record in it (a `Selection`, as an observer
+    resolves its layers once) made `graph`'s (`Resolver.adopt`): a record resolved on
+    another trace of the model is the same call's in this one."""
+    if isinstance(spec, Selection):
+        return resolver_of(graph).adopt(spec)
+    if isinstance(spec, ActivationOf) and isinstance(spec.name, Selection):
+        return ActivationOf(resolver_of(graph).adopt(spec.name))
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(adopted(graph, s) for s in spec)
+    if isinstance(spec, dict):
+        return {k: adopted(graph, s) for k, s in spec.items()}
     return spec
 
 
@@ -206,7 +223,7 @@ def resolve_starts(graph: Graph, resolver: Resolver, start: Any) -> tuple[Select
     """The ports of a `start` specification (None: the model's inputs)."""
     if start is None:
         return None
-    specs = [start] if isinstance(start, Name) else start
+    specs = [start] if isinstance(start, Name | Selection) else start
     if not isinstance(specs, (list, tuple)) or not specs:
         raise StartSpecError(start=written(start))
     return tuple(_start_port(graph, resolver, spec) for spec in specs)
@@ -223,8 +240,9 @@ def _start_port(graph: Graph, resolver: Resolver, spec: Any) -> Selection:
     return resolver.select(spec, INPUT)
 
 
-# What `end` may be: one end (a name, an activation or None) or a container of them.
-_END_TYPES = (Name, ActivationOf, type(None), list, tuple, dict)
+# What `end` may be: one end (a name, a record resolved before, an activation or None)
+# or a container of them.
+_END_TYPES = (Name, Selection, ActivationOf, type(None), list, tuple, dict)
 
 
 def resolve_ends(graph: Graph, resolver: Resolver, end: Any) -> Any:

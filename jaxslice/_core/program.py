@@ -40,16 +40,11 @@ from .._trees import abstract, abstract_tree, hashable, is_traced_leaf, nest, pr
 from . import emit as emit_
 from . import exporting, loops, markers, remark
 from . import variables as variables_
-from .arguments import (
-    input_leaves,
-    retrace_inputs,
-    same_shapes,
-    signature,
-)
+from .arguments import input_leaves, retrace_inputs, same_shapes, signature
 from .checks import check_alive, check_leaves, check_mutable, mode_key, mode_value
 from .jitted import JitCalls
 from .plan import Plan, StateRules, plan
-from .ports import parsed, written
+from .ports import adopted, parsed, written
 from .trace import Traced, stop_specs, trace, trace_split
 
 #: compiled entries kept per slice (input signatures, modes)
@@ -117,6 +112,7 @@ class Entry:
 
 def make_entry(traced: Traced, names: tuple[Any, Any]) -> Entry:
     """The entry for `names`, ``(start, end)`` parsed (`ports.parsed`)."""
+    names = adopted(traced.graph, names)  # records of another trace: this one's calls
     looped = loops.loop_selections(traced.graph, *names)
     if looped:  # names of iterations inside scans: plan on the loops written out
         traced = dataclasses.replace(traced, graph=loops.expanded(traced.graph, looped))

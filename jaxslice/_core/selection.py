@@ -114,6 +114,13 @@ class Selection:
         return name if call.count == 1 else f"{name}@{call.index}"
 
     @property
+    def end_name(self) -> str:
+        """`name`, with ``:input`` for a call's input side (``layers[3]/mlp:input``; an
+        end is a call's output unless it says otherwise): a name that selects this record
+        again as an end."""
+        return self.name if self.side == OUTPUT else f"{self.name}:{self.side}"
+
+    @property
     def label(self) -> str:
         """How messages name it (``'block:output'``)."""
         if self.spec is None:
@@ -170,6 +177,9 @@ class Resolver:
         self.by_name: dict[str, list[Call]] = {}
         self.by_parts: dict[tuple[str, ...], list[Call]] = {}
         self.by_whole: dict[tuple[str, ...], list[Call]] = {}  # see `lifted_template`
+        self.own = {id(call) for call in graph.calls}
+        # The iterations written out in this graph (`loops.expand`), by `Selection.key`.
+        self.by_key = {call.record.key: call for call in graph.calls if _written_out(call)}
         for call in graph.calls:
             self.by_name.setdefault(call.name, []).append(call)
             if call.template is not None:
@@ -190,7 +200,10 @@ class Resolver:
     def select(self, name: Any, default_side: str, uncounted: bool = False) -> Selection:
         """The record a name picks (the side is `default_side` unless it names one). With
         `uncounted`, every iteration (``[:]``) of a loop without counted iterations (a
-        `while`) is a name too: edits and hooks, which run the loop as a loop, take it."""
+        `while`) is a name too: edits and hooks, which run the loop as a loop, take it.
+        A record resolved before (a `Selection`) is taken as it is (`adopt`)."""
+        if isinstance(name, Selection):
+            return self.adopt(name)
         if not isinstance(name, Name):
             raise BoundaryNameTypeError(spec=name, kind=type(name).__name__)
         alias = self.graph.aliases.get((name.base, name.index))
@@ -201,6 +214,17 @@ class Resolver:
             if found is not None:
                 return found
         return Selection(name.spec, self.call_of(name), name.port or default_side)
+
+    def adopt(self, where: Selection) -> Selection:
+        """A record resolved before, as this graph's: one of this graph's is kept; one of
+        the graph whose loops this one writes out is the iteration's call here (found by
+        `Selection.key`); one of another trace of the model is found by `same`."""
+        if where.call is None or id(where.call) in self.own:
+            return where
+        written = self.by_key.get(where.key) if where.path else None
+        if written is not None:
+            return Selection(where.spec, written, where.side)
+        return self.same(where)
 
     def call_of(self, name: Name) -> Call:
         """The call of a name as the graph lists it (outside loops)."""
@@ -218,8 +242,11 @@ class Resolver:
         return call
 
     def in_loops(self, name: Any, default_side: str, uncounted: bool = False) -> Selection | None:
-        """The iteration(s) a name with iteration slots picks; None for other names
-        (`uncounted` as for `select`)."""
+        """The iteration(s) a name with iteration slots (or a record resolved before
+        that picks iterations) picks; None for other names (`uncounted` as for
+        `select`)."""
+        if isinstance(name, Selection):
+            return self.adopt(name) if name.path else None
         if not isinstance(name, Name) or not name.given:
             return None
         spec, parts = name.spec, name.parts
@@ -287,20 +314,26 @@ class Resolver:
         loop is written out in pieces, so it is no longer one call)."""
         split = {id(where.call.loop.chain()[0].eqn): where for where in looped}
         for name in names:
-            loop = self._lifted_loop(name)
+            whole = self._whole_call(name)
+            loop = self._lifted_loop(whole) if whole is not None else None
             where = split.get(id(loop.eqn)) if loop is not None else None
             if where is not None:
-                first, last = f"{name.base}[0]:input", f"{name.base}[-1]:output"
+                first, last = f"{whole.name}[0]:input", f"{whole.name}[-1]:output"
                 raise MixedLoopNamesError(whole=name.spec, one=where.spec, first=first, last=last)
 
-    def _lifted_loop(self, name: Any) -> Any:
-        """The loop a name of a lifted module as a whole stands for, or None."""
+    def _whole_call(self, name: Any) -> Call | None:
+        """The call a name (or a record) outside loops picks, or None."""
+        if isinstance(name, Selection):
+            return self.adopt(name).call
         if not isinstance(name, Name):
             return None
         try:
-            whole = self.call_of(name)
+            return self.call_of(name)
         except SliceError:  # not a name of a call (wrong: reported when planning)
             return None
+
+    def _lifted_loop(self, whole: Call) -> Any:
+        """The loop a call of a lifted module as a whole stands for, or None."""
         if whole.loop is not None or whole.record is None:
             return None
         body = next((c for c in self.graph.calls if c.record is whole.record and c.loop), None)
@@ -422,6 +455,11 @@ def _iteration(spec: str, text: str, site: Any) -> int | str:
             spec=spec, index=text, primitive=site.primitive, length=length, last=length - 1
         )
     return k % length
+
+
+def _written_out(call: Call) -> bool:
+    """Whether a call is an iteration `loops.expand` wrote out (its record has a key)."""
+    return getattr(call.record, "key", None) is not None
 
 
 def _counted(call: Call) -> bool:

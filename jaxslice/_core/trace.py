@@ -32,7 +32,7 @@ from .build import Signature, build
 from .contract import Adapter, Split
 from .graph import Graph
 from .ports import spec_items
-from .selection import Name
+from .selection import Name, Selection
 
 
 @dataclasses.dataclass
@@ -131,31 +131,38 @@ def stop_rule(
 
     Only named ends qualify, and only where the adapter allows it (module names known at
     call time, no state that is returned only at the end). A name with a call index
-    (``name@k``) stops after that call. A bare name stops after its call only if the
+    (``name@k``), or a record resolved on an earlier trace (which knows its call's
+    index), stops after that call. A bare name stops after its call only if the
     same model, traced in full before with these variables, inputs and mode, called that
     module exactly once; otherwise the whole model is traced, so a repeated call is still
     reported as ambiguous. `key` is the split's `traced_key` where the caller has it.
     """
-    if ends is None or not adapter.can_stop_early(split) or not all(map(_is_name, ends)):
+    points = [_stop_point(s) for s in ends] if ends is not None else [None]
+    if None in points or not adapter.can_stop_early(split):
         return None
     if key is None:
         key = traced_key(adapter, target, split)
     known = _CALL_COUNTS.get(key, {})
-    if any(name.index is None and known.get(name.base) != 1 for name in ends):
+    if any(index is None and known.get(base) != 1 for base, index in points):
         return None
-    return markers.StopRule(_needs(ends))
+    return markers.StopRule(_needs(points))
 
 
-def _is_name(spec: Any) -> bool:
-    """A name a trace can stop after: a parsed name naming no iteration of a loop."""
-    return isinstance(spec, Name) and not spec.given
+def _stop_point(spec: Any) -> tuple[str, int | None] | None:
+    """The boundary and call index (None: not given) a trace can stop after for a parsed
+    name or a record naming no iteration of a loop; None for any other end."""
+    if isinstance(spec, Name) and not spec.given:
+        return spec.base, spec.index
+    if isinstance(spec, Selection) and spec.call is not None and spec.call.loop is None:
+        return spec.call.name, spec.call.index
+    return None
 
 
-def _needs(names: list[Name]) -> dict[str, int]:
+def _needs(points: list[tuple[str, int | None]]) -> dict[str, int]:
     """How many calls of each boundary must have returned (``name@k`` needs k + 1)."""
     needs: dict[str, int] = {}
-    for name in names:
-        needs[name.base] = max(needs.get(name.base, 0), (name.index or 0) + 1)
+    for base, index in points:
+        needs[base] = max(needs.get(base, 0), (index or 0) + 1)
     return needs
 
 

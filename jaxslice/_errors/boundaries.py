@@ -50,8 +50,9 @@ class NamesSpecError(InvalidSpecError):
     """`names` of `js.intermediates` is not a non-empty list of strings or None."""
 
     TEMPLATE = (
-        "`names` must be a non-empty list of boundary names (strings), or None for every "
-        "boundary; got {names!r}."
+        "`names` must be a non-empty list of boundary names (strings), None for every "
+        'boundary outside loops, or "all" for every boundary, inside scans too; got '
+        "{names!r}."
     )
 
 

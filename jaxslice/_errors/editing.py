@@ -198,3 +198,76 @@ class CallInputsRejectedError(InputMismatchError):
         "where stacked): {error}. Give them the shapes and dtypes of their examples: "
         "{examples}."
     )
+
+
+# --------------------------------------------------------------------------- lenses
+
+
+class LensSitesSpecError(InvalidSpecError):
+    """A lens was given sites (or reads) it cannot have."""
+
+    TEMPLATE = (
+        "Cannot use {spec!r} as a site of a lens: {reason}. Give names of boundaries, every "
+        "iteration of a scan with [:] ('layers[:]/attn'), a leaf with '#k' ('layers[:]#0'), "
+        "or None for every call's output."
+    )
+
+
+class LensLeafError(InvalidSpecError):
+    """A lens site names an array leaf the value there does not have."""
+
+    TEMPLATE = (
+        "{spec!r} names no array leaf of the value there: {reason}. Write 'name#k' with k "
+        "counting the value's array leaves in jax.tree_util order from 0."
+    )
+
+
+class LensNotASiteError(InvalidSpecError):
+    """An intervention or read names no site of the lens."""
+
+    TEMPLATE = (
+        "{spec!r} is no site of this lens (nor one iteration of a site): {why}. Its sites: "
+        "{sites}. "
+        "Make the lens with `sites=[...]` including it (sites=None takes every call's "
+        "output), or name one iteration of a site inside a scan ('layers[3]')."
+    )
+
+
+class LensKindError(InputMismatchError):
+    """An intervention keyword of a lens got something other than a dict of arrays."""
+
+    TEMPLATE = (
+        "{kind}= takes a dict {{site name: array}} (for set=, an array or a pair "
+        "(array, boolean mask)); got {got}."
+    )
+
+
+class LensValueShapeError(InputMismatchError):
+    """An intervention's value does not broadcast to the value at its site."""
+
+    TEMPLATE = (
+        "The {kind} value for {spec!r} has shape {shape}, which does not broadcast to the "
+        "value there, {target} (site {site!r}; at a [:] name the value is stacked over the "
+        "iterations, a leading axis per loop). Give an array that broadcasts to {target} with "
+        "NumPy's rules: a vector (d,) acts at every position (and every iteration)."
+    )
+
+
+class LensSweepAxisError(InputMismatchError):
+    """The values of a lens sweep do not share one leading axis."""
+
+    TEMPLATE = (
+        "A sweep takes every value with a leading axis, one entry per run, of the same "
+        "length; {kind} for {spec!r} have shape(s) {shape}. Stack the runs' values on a "
+        "first axis (jnp.stack), or broadcast a value shared by every run "
+        "(jnp.broadcast_to(v, (n, *v.shape)))."
+    )
+
+
+class LensSweepEmptyError(InputMismatchError):
+    """A lens sweep was given no values to sweep over."""
+
+    TEMPLATE = (
+        "A sweep runs one intervention per entry of its values' leading axis, so it needs at "
+        "least one value in add=, scale= or set=. To run the model once, call the lens."
+    )

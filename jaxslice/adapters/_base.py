@@ -21,13 +21,6 @@ from .._core.contract import Split
 from .._trees import is_traced_leaf, join_name, path_names
 from .._view import program_of
 
-#: jaxslice's entry points, by name, set by the modules that define them as they are
-#: imported (``"slice"``: `js.slice`). Adapters sit below those modules, but a slice
-#: class that Keras rebuilds from a file (`KerasSlice.from_config`) must slice again. An
-#: import cannot take its place: the Keras adapter makes `KerasSlice`s, and rebuilding
-#: one needs the adapter again, so importing it from the class closes an import cycle.
-ENTRY_POINTS: dict[str, Callable[..., Any]] = {}
-
 
 @dataclasses.dataclass(frozen=True)
 class NewModule:

@@ -45,7 +45,7 @@ import numpy as np
 from .._errors import KerasNotSavableError, SliceError
 from .._trees import nest, path_names
 from .._view import ProgramView
-from ._base import ENTRY_POINTS, split_kwargs
+from ._base import split_kwargs
 from ._keras_inputs import from_keras, input_names
 
 
@@ -287,10 +287,16 @@ class KerasSlice(ProgramView, keras.Model):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> KerasSlice:
+        # Keras rebuilds the slice the way a user makes one: through the public
+        # `jaxslice.slice`, imported when this runs (the package is fully imported by
+        # then). Importing `_slice` or the Keras adapter instead would close an import
+        # cycle, as both make `KerasSlice`s.
+        import jaxslice
+
         model = keras.saving.deserialize_keras_object(config["model"])
         inputs, keywords = _zeros(config["inputs"]), _zeros(config["keyword_inputs"])
         extra = {} if config["mutable"] is False else {"mutable": config["mutable"]}
-        sub = ENTRY_POINTS["slice"](
+        sub = jaxslice.slice(
             model,
             *inputs,
             start=config["start"],

@@ -15,6 +15,7 @@ slices read them, so an observer follows the model as it trains.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -24,9 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from .. import _compat
+from .._core.markers import OUTPUT
+from .._core.names import STACKED
 from .._core.ports import ActivationOf, single_output_id
 from .._core.program import SliceProgram
-from .._core.selection import Name, Resolver, resolver_of
+from .._core.selection import Name, Selection, resolver_of
 from .._core.trace import Traced, trace
 from .._errors import BatchMismatchError, ChoiceError, LayersSpecError, NoLayersError
 from .._table import describe
@@ -36,8 +39,8 @@ from ..adapters import adapter_for
 GRANULARITIES = ("channel", "element")
 POSITIONS = ("output", "activation")
 
-# The slice end that observes a layer, by position.
-_END_AT = {"output": str, "activation": ActivationOf}
+# The slice end that observes a layer (its record), by position.
+_END_AT = {"output": lambda where: where, "activation": ActivationOf}
 
 
 def default_layers(traced: Traced) -> list[str]:
@@ -138,10 +141,13 @@ class Observer:
             raise ChoiceError(option="position", choices=POSITIONS, value=position)
         traced = trace(target, args, kwargs, adapter=adapter_for(target))
         self.target = target
-        self.layers = _ordered_layers(traced, default_layers(traced) if layers is None else layers)
-        ends: dict[Any, Any] = {n: _END_AT[position](n) for n in self.layers}
+        chosen = default_layers(traced) if layers is None else layers
+        #: the layers as given (in call order) and each one's record, resolved once
+        self.layers, self.records = _ordered_layers(traced, chosen)
+        pairs = list(zip(self.layers, self.records, strict=True))
+        ends: dict[Any, Any] = {n: _END_AT[position](where) for n, where in pairs}
         if also_outputs and position != "output":
-            ends.update({(n, "output"): n for n in self.layers})
+            ends.update({(n, "output"): where for n, where in pairs})
         self.count = len(ends)
         split = traced.split
         self.program = program = SliceProgram(traced, None, ends)
@@ -152,7 +158,6 @@ class Observer:
         self.variables = split.variables if self.variables_view is None else None
         self.rngs = split.rngs
         self.sample = [abstract(x) for x in _array_leaves((split.args, split.kwargs))]
-        self.traced_graph = traced.graph
         base = self.program.base
         self.shapes = [tuple(base.traced.graph.avals[i].shape) for i in base.plan.output_ids]
 
@@ -206,55 +211,43 @@ class Observer:
 _compat.register_frames_exclusion(__file__)
 
 
-def _ordered_layers(traced: Traced, layers: Any) -> list[str]:
-    """`layers` checked, without repeats, in call order."""
+def _ordered_layers(traced: Traced, layers: Any) -> tuple[list[str], list[Selection]]:
+    """`layers` checked, without repeats, in call order, and the record of each (its
+    `Selection`, each name parsed and resolved once). Unknown and ambiguous names raise."""
     if isinstance(layers, str) or not all(isinstance(n, str) for n in layers):
         raise LayersSpecError(layers=layers)
     resolver = resolver_of(traced.graph)
-    order = {name: _call_order(resolver, name)[0] for name in layers}
-    layers = sorted(dict.fromkeys(layers), key=order.__getitem__)
-    if not layers:
+    records = {name: resolver.select(Name.of(name), OUTPUT) for name in dict.fromkeys(layers)}
+    if not records:
         raise NoLayersError()
-    return layers
+    ordered = sorted(records.items(), key=lambda item: _call_order(item[1]))
+    return [name for name, _ in ordered], [where for _, where in ordered]
 
 
-def _call_order(resolver: Resolver, name: str) -> tuple[tuple[Any, ...], Any]:
-    """A key that sorts boundary names in call order (an iteration of a call inside a
-    scan by the loop, then the iteration, then the call within the body; a stacked
-    ``[:]`` before the loop's single iterations), and the name's record (its
-    `Selection`). Unknown and ambiguous names raise."""
-    where = resolver.select(Name.of(name), "output")
-    iterations = tuple(-1 if k == ":" else k for k in where.path)
-    return (where.call.start, iterations, where.call.in_seq), where
+def _call_order(where: Selection) -> tuple[Any, ...]:
+    """A key that sorts records in call order: an iteration of a call inside a scan by
+    the loop, then the iteration, then the call within the body; a stacked ``[:]``
+    before the loop's single iterations."""
+    iterations = tuple(-1 if k == STACKED else k for k in where.path)
+    return (where.call.start, iterations, where.call.in_seq)
 
 
 def per_iteration(observer: Observer) -> list[tuple[str, int, tuple[int, ...]]]:
-    """The observer's layers with every stacked name (``layers[:]/mlp``) written out as
-    one layer per iteration (``layers[0]/mlp``, ...), all in call order, without repeats:
-    ``(name, index of the observed output, index of the iteration's row in it)``."""
-    resolver = resolver_of(observer.traced_graph)
-    rows = {}
-    for index, name in enumerate(observer.layers):
-        key, ref = _call_order(resolver, name)
-        stacked = list(ref.depths)
+    """The observer's layers with every stacked record (``layers[:]/mlp``) written out as
+    one layer per iteration (``layers[0]/mlp``, ..., named by `Selection.end_name`), all
+    in call order, each record once (a name given as is): ``(name, index of the observed
+    output, index of the iteration's row in it)``."""
+    rows: dict[Selection, tuple[str, tuple[Any, ...], int, tuple[int, ...]]] = {}
+    for index, (name, where) in enumerate(zip(observer.layers, observer.records, strict=True)):
+        stacked = where.depths
         if not stacked:
-            rows.setdefault(name, (key, index, ()))
+            rows.setdefault(where, (name, _call_order(where), index, ()))
             continue
-        lengths = [range(ref.sites[d].length) for d in stacked]
-        for picked in itertools.product(*lengths):
-            path = list(ref.path)
+        for picked in itertools.product(*(range(n) for n in where.lengths)):
+            path = list(where.path)
             for d, k in zip(stacked, picked, strict=True):
                 path[d] = k
-            one = _fill_slots(name, picked)
-            rows.setdefault(one, ((key[0], tuple(path), key[2]), index, picked))
-    ordered = sorted(rows.items(), key=lambda item: item[1][0])
-    return [(name, index, picked) for name, (_, index, picked) in ordered]
-
-
-def _fill_slots(name: str, picked: tuple[int, ...]) -> str:
-    """`name` with its ``[:]`` slots, in order, replaced by the iterations `picked`."""
-    parts = name.split("[:]")
-    out = parts[0]
-    for k, rest in zip(picked, parts[1:], strict=True):
-        out += f"[{k}]{rest}"
-    return out
+            one = dataclasses.replace(where, path=tuple(path))
+            rows.setdefault(one, (one.end_name, _call_order(one), index, picked))
+    ordered = sorted(rows.values(), key=lambda row: row[1])
+    return [(name, index, picked) for name, _, index, picked in ordered]

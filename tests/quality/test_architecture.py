@@ -42,6 +42,15 @@ The rules:
      not ``M`` or one of ``M``'s parents (its ``__init__`` runs).
    * ``import jaxslice`` (a parent package, named directly) counts as ``M -> jaxslice``:
      the only reason to bind a parent package is to read names its ``__init__`` defines.
+   * One exception: ``import jaxslice`` (``as`` or not) *inside a function* adds no edge.
+     The root is the public API, and a function importing it when called uses jaxslice
+     as its users do (``jaxslice.slice(...)``): Python runs ``jaxslice/__init__`` before
+     any module under it, so by the time a function of the package is called the root
+     is complete. (A function called while the package is still being imported would see
+     it half made; none is.) This is how a class that another library rebuilds from a
+     file slices again (`KerasSlice.from_config`). ``from jaxslice import slice`` or
+     ``from .. import slice`` inside a function still count, as ``import jaxslice`` at
+     module level (or in a class body) does.
 
    So a package ``__init__`` importing its children is normal, a child importing a sibling
    with ``from . import sibling`` or ``from .sibling import f`` is normal, and a child
@@ -68,6 +77,7 @@ The rules:
    while an adapter imports ``_core.markers`` is a cycle even though no two *modules*
    import each other, and so is a lower part reaching a higher one through a registry it
    could not import (the registry itself is not seen: keep dependencies importable).
+   Rule 3's one exception (``import jaxslice`` inside a function) adds no edge here either.
 7. No module reads or writes another object's private attributes: ``x._name`` (an
    attribute load, store or delete, or ``getattr``/``hasattr``/``setattr``/``delattr``
    with the constant name ``"_name"``) where ``x`` is not ``self``, ``cls`` or
@@ -440,8 +450,21 @@ def private_member_reads(package: Package) -> list[Finding]:
 # --------------------------------------------------------------------------- 3. import cycles
 
 
-def import_targets(package: Package, module: Module, node: ast.AST) -> set[str]:
-    """The package's modules an import statement depends on (rules in the module docstring)."""
+def deferred_nodes(tree: ast.Module) -> set[int]:
+    """The ids of the statements in a function's body (at any depth): they run when the
+    function is called, not when the module is imported."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            inside.update(id(n) for statement in node.body for n in ast.walk(statement))
+    return inside
+
+
+def import_targets(
+    package: Package, module: Module, node: ast.AST, deferred: bool = False
+) -> set[str]:
+    """The package's modules an import statement depends on (rules in the module
+    docstring); `deferred`: the statement is in a function's body."""
     own = parents_and_self(module.name)
 
     def packages_run(dotted: str) -> set[str]:
@@ -450,6 +473,8 @@ def import_targets(package: Package, module: Module, node: ast.AST) -> set[str]:
     targets: set[str] = set()
     if isinstance(node, ast.Import):
         for alias in node.names:
+            if deferred and alias.name == package.name:
+                continue  # the public API, read at call time (rule 3's one exception)
             if package.owns(alias.name):
                 targets |= {alias.name} | packages_run(alias.name)
     elif isinstance(node, ast.ImportFrom):
@@ -470,8 +495,9 @@ def import_graph(package: Package) -> nx.DiGraph:
     graph = nx.DiGraph()
     graph.add_nodes_from((m.name, {"display": m.display}) for m in package.modules.values())
     for module in package.modules.values():
+        deferred = deferred_nodes(module.tree)
         for node in ast.walk(module.tree):
-            for target in sorted(import_targets(package, module, node)):
+            for target in sorted(import_targets(package, module, node, id(node) in deferred)):
                 if not graph.has_edge(module.name, target):
                     graph.add_edge(module.name, target, lines=[])
                 graph.edges[module.name, target]["lines"].append(node.lineno)
@@ -990,6 +1016,27 @@ def test_checker_cycle_rules(tmp_path):
         tmp_path / "plain",
         {"pkg/__init__.py": "from .a import f\n", "pkg/a.py": "import pkg\n"},
     ) == [("pkg", "pkg.a")]
+    # ... but inside a function it reads the finished public API: no edge (rule 3's one
+    # exception). Reading a member of the root (`from . import g`, `from pkg import g`) in
+    # a function, and `import pkg` at module level or in a class body, still count.
+    assert not cycles_of(
+        tmp_path / "public",
+        {
+            "pkg/__init__.py": "from .a import f\nfrom .b import G\n",
+            "pkg/a.py": "def f():\n    import pkg\n    return pkg.g\n",
+            "pkg/b.py": "class G:\n    def g(self):\n        import pkg as p\n",
+        },
+    )
+    for i, source in enumerate(
+        (
+            "def f():\n    from pkg import g\n",
+            "def f():\n    from . import g\n",
+            "class F:\n    import pkg\n",
+            "def f():\n    pass\nimport pkg\n",
+        )
+    ):
+        files = {"pkg/__init__.py": "from .a import f\ng = 1\n", "pkg/a.py": source}
+        assert cycles_of(tmp_path / f"member{i}", files) == [("pkg", "pkg.a")], source
     # Importing a module inside another package runs that package's __init__.
     assert cycles_of(
         tmp_path / "init",

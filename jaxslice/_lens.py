@@ -1,0 +1,472 @@
+"""`js.lens`: one compiled model for a whole family of interventions.
+
+A `Lens` runs the model through the one evaluator (`_core.evaluate`) with a hook at each
+of its *sites* (array values at named boundaries). What happens at a site is given when
+the lens is called, as plain arrays: ``add`` a vector, ``scale`` (0 ablates), ``set`` a
+value (where a mask says), and ``read`` (the cache). Which iteration of a scanned stack
+an intervention acts on (``layers[3]``) is a traced index, so a sweep over layers,
+positions or heads is one compiled program: the lens compiles once per *structure* of
+its call (which sites get which kind of intervention, the shapes of what is given, what
+is read) and input shape, never per iteration or per value.
+
+Sites are array leaves. A name without a leaf suffix addresses the first array leaf of
+the value there (the hidden state of a block that returns ``(h, aux)``); ``name#k``
+addresses leaf k (in `jax.tree_util` order). Given values broadcast against the site's
+value with NumPy's rules; at an every-iteration name (``layers[:]``) against the stacked
+value (a leading axis per loop), so a vector of shape ``(d,)`` is added in every layer
+and one of shape ``(L, 1, 1, d)`` gives each layer its own.
+
+A loop stays one loop (hooks run once, on one iteration's values, selecting their
+iteration by its traced index). `sweep` runs a batch of interventions that all act at or
+after iteration k of a scan: the iterations before k run once, unbatched, and only the
+rest is batched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from . import _compat
+from ._core.evaluate import evaluate as evaluate_graph
+from ._core.markers import OUTPUT
+from ._core.names import STACKED
+from ._core.program import SliceProgram
+from ._core.selection import Name, Selection, resolver_of
+from ._errors import (
+    BoundaryInLoopError,
+    LensKindError,
+    LensLeafError,
+    LensNotASiteError,
+    LensSitesSpecError,
+    LensSweepAxisError,
+    LensSweepEmptyError,
+    MissingModelVariablesError,
+    SliceError,
+)
+from ._interpreter import variable_values
+from ._lens_run import LensHooks, counted, first_row, intervention, placed, probe
+from ._trees import path_str
+from .adapters import adapter_for
+
+KINDS = ("scale", "add", "set")
+_LIVE = (
+    object()
+)  # "the variables the model holds, read at the call"  # applied at a site in this order
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One array value the lens can change or read.
+
+    Attributes:
+      name: its every-iteration name (``layers[:]/attn``, ``head``, ``block:input#1``).
+      where: the record of the call side (`Selection`, every iteration inside loops).
+      leaf: which array leaf of the value there.
+      value: the leaf's shape and dtype in one iteration.
+      lengths: the lengths of the scans around it, outermost first (a leading axis each
+        in stacked values); empty outside loops.
+    """
+
+    name: str
+    where: Selection
+    leaf: int
+    value: jax.ShapeDtypeStruct
+    lengths: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        shape = ", ".join(map(str, self.stacked.shape))
+        return f"Site({self.name!r}, {self.value.dtype}[{shape}])"
+
+    @property
+    def stacked(self) -> jax.ShapeDtypeStruct:
+        """Every iteration's value, stacked (what a read of `name` returns)."""
+        return jax.ShapeDtypeStruct((*self.lengths, *self.value.shape), self.value.dtype)
+
+
+def _split_leaf(spec: str) -> tuple[str, int | None]:
+    base, hash_, leaf = spec.rpartition("#")
+    if not hash_:
+        return spec, None
+    if not leaf.isdigit():
+        raise LensLeafError(spec=spec, reason="the part after '#' must be a leaf number")
+    return base, int(leaf)
+
+
+class _Picked:
+    """Where one given intervention acts: its site, and the iteration in each loop around
+    it (None: every iteration)."""
+
+    __slots__ = ("site", "rows")
+
+    def __init__(self, site: Site, rows: tuple[int | None, ...]):
+        self.site, self.rows = site, rows
+
+
+class Lens:
+    """A model with interventions and reads at its sites as call-time arguments.
+
+    Make one with `js.lens`. Calling it runs the model; the keywords `add`, `scale` and
+    `set` change values at sites, and `read` returns values. Each takes site names (or
+    one iteration of a site inside a scan, ``layers[3]``) and arrays:
+
+    * ``add={name: v}``: ``h + v``; ``scale={name: s}``: ``h * s`` (0 ablates);
+    * ``set={name: v}``: ``v`` in place of ``h``; ``set={name: (v, mask)}``: ``v`` where
+      the boolean `mask` is true;
+    * ``read=True`` (every site), a name or a list of names: returns ``(output, cache)`` with
+      ``cache[name]`` the value there after the interventions (stacked over the
+      iterations at a ``[:]`` name), shaped so that it can be given to `set`.
+
+    Values broadcast against the site's value with NumPy's rules (at a ``[:]`` name
+    against the stacked value). At one site, `scale` applies first, then `add`, then
+    `set`. The lens is an ordinary JAX function of the given arrays: ``jax.grad`` with
+    respect to an `add` gives attribution at every site at once, ``jax.vmap`` a batch of
+    patches.
+
+    The program is compiled once per input shape and *structure* of a call: which sites
+    get which kinds of intervention, the shapes of the values given, what is read. The
+    iteration a name picks (``layers[3]``) is data, so a sweep over layers compiles once.
+
+    Attributes:
+      sites: ``{name: Site}``, the sites in call order.
+    """
+
+    def __init__(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sites: Any):
+        adapter = adapter_for(target)
+        self._program = program = SliceProgram.build(target, args, kwargs, adapter=adapter)
+        self._target = target
+        self._adapter = adapter
+        self._rngs = program.base.traced.split.rngs
+        self._view = program.variables_view
+        held = adapter.holds_variables or self._view is not None
+        self._variables = None if held else adapter.split(target, args, kwargs).variables
+        graph = program.base.traced.graph
+        self._resolver = resolver_of(graph)
+        seen = probe(graph, self._values_of(program.base, self._own()))
+        self.sites: dict[str, Site] = {}
+        specs = _every_site(seen) if sites is None else _site_specs(sites)
+        for spec in specs:
+            site = self._new_site(spec, sites is not None, seen)
+            if site is not None:
+                self.sites.setdefault(site.name, site)
+        #: every call's output the hooks see (in counted loops), for `whole_values`
+        self._outputs = [w for w in seen if w.side == OUTPUT and counted(w)]
+        self._by_where: dict[tuple[Selection, int], Site] = {
+            (s.where, s.leaf): s for s in self.sites.values()
+        }
+        self._picked: dict[str, _Picked] = {}
+
+    # ------------------------------------------------------------------ sites
+
+    def _new_site(self, spec: str, explicit: bool, seen: dict[Selection, Any]) -> Site | None:
+        base, leaf = _split_leaf(spec)
+        try:
+            where = self._resolver.select(Name.of(base), OUTPUT, uncounted=True)
+        except BoundaryInLoopError:
+            reason = (
+                "it is called in a branch of a cond (or a loop) that the lens cannot reach; "
+                "name a call around it"
+            )
+            raise LensSitesSpecError(spec=spec, reason=reason) from None
+        if any(k != STACKED for k in where.path):
+            raise LensSitesSpecError(
+                spec=spec, reason="a site names every iteration of a loop ([:])"
+            )
+        leaves = seen.get(where)
+        stacks = counted(where)
+        if not stacks or not leaves:
+            if not explicit:
+                return None
+            reason = (
+                "only loops with a fixed number of iterations (scans) have sites"
+                if not stacks
+                else "the model computes no array there that hooks can see (a call in a "
+                "branch of a cond, or one without array values)"
+            )
+            raise LensSitesSpecError(spec=spec, reason=reason)
+        k = 0 if leaf is None else leaf
+        if k >= len(leaves):
+            raise LensLeafError(spec=spec, reason=f"the value there has {len(leaves)} array leaves")
+        shown = where.name if where.side == OUTPUT else f"{where.name}:input"
+        if leaf is not None:
+            shown = f"{shown}#{leaf}"
+        return Site(shown, where, k, leaves[k], where.lengths)
+
+    def _pick(self, spec: Any) -> _Picked:
+        """The site and iterations a name given at call time picks (parsed once)."""
+        found = self._picked.get(spec)
+        if found is not None:
+            return found
+        if not isinstance(spec, str):
+            raise LensNotASiteError(spec=spec, why="not a string", sites=self._site_list())
+        base, leaf = _split_leaf(spec)
+        try:
+            where = self._resolver.select(Name.of(base), OUTPUT)
+        except SliceError as error:
+            why = str(error).split("\n")[0]
+            raise LensNotASiteError(spec=spec, why=why, sites=self._site_list()) from None
+        site = self._by_where.get((where.every(), 0 if leaf is None else leaf))
+        if site is None:
+            why = "a boundary the lens was not made with"
+            raise LensNotASiteError(spec=spec, why=why, sites=self._site_list())
+        rows = tuple(None if k == STACKED else int(k) for k in where.path)
+        found = self._picked[spec] = _Picked(site, rows)
+        return found
+
+    def _site_list(self) -> str:
+        names = list(self.sites)
+        shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+        return shown or "(none)"
+
+    # ------------------------------------------------------------------ calls
+
+    def __call__(
+        self,
+        *inputs: Any,
+        add: Mapping[str, Any] | None = None,
+        scale: Mapping[str, Any] | None = None,
+        set: Mapping[str, Any] | None = None,  # noqa: A002 (the word users expect)
+        read: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Runs the model on `inputs` (and keyword inputs, or a new mode such as
+        ``train=True``) with the interventions given (see `Lens`).
+
+        Returns:
+          The model's output; with `read`, ``(output, cache)``.
+        """
+        return self.apply(self._own(), *inputs, add=add, scale=scale, set=set, read=read, **kwargs)
+
+    def apply(
+        self,
+        variables: Any,
+        *inputs: Any,
+        add: Mapping[str, Any] | None = None,
+        scale: Mapping[str, Any] | None = None,
+        set: Mapping[str, Any] | None = None,  # noqa: A002
+        read: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """`__call__` with the given variables (of the structure of `variables`)."""
+        statics, arrays = self._normalised({"scale": scale, "add": add, "set": set}, None)
+        reads = self._reads(read)
+        out, cache = self._call(variables, inputs, kwargs, statics, arrays, reads, None)
+        if read is None:
+            return out
+        return out, {name: cache[name] for name in reads}
+
+    def sweep(
+        self,
+        *inputs: Any,
+        add: Mapping[str, Any] | None = None,
+        scale: Mapping[str, Any] | None = None,
+        set: Mapping[str, Any] | None = None,  # noqa: A002
+        read: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """A batch of interventions in one call: every value given (and mask) has a
+        leading axis, one entry per run, of the same length n; returns the n outputs
+        stacked (and with `read`, the caches stacked).
+
+        Unlike ``jax.vmap`` over `__call__`, a sweep whose interventions and reads all
+        sit at or after iteration k of a scan runs the iterations before k once, for
+        all n runs, and batches only the rest: a sweep of patches at ``layers[12]`` of
+        24 runs 12 + n x 12 iterations, not n x 24. That k is part of what the sweep is
+        compiled for (sweeps at another first iteration compile again).
+        """
+        statics, arrays = self._normalised({"scale": scale, "add": add, "set": set}, True)
+        reads = self._reads(read)
+        if not arrays:
+            raise LensSweepEmptyError()
+        out, cache = self._call(self._own(), inputs, kwargs, statics, arrays, reads, True)
+        if read is None:
+            return out
+        return out, {name: cache[name] for name in reads}
+
+    def __repr__(self) -> str:
+        return f"Lens({type(self._target).__name__}: {len(self.sites)} sites)"
+
+    @property
+    def target(self) -> Any:
+        """The model the lens runs."""
+        return self._target
+
+    @property
+    def variables(self) -> Any:
+        """The model's variables in the form `apply` takes (read from the model where it
+        holds them: a Keras model's); None for an NNX model, whose calls read its state
+        live (give `apply` ``nnx.state(model)``)."""
+        if self._view is not None:
+            return self._view()
+        return self._variables
+
+    def _own(self) -> Any:
+        """What a call without variables runs with: the model's own (`_LIVE`: read from
+        a model that holds them, at this call)."""
+        return _LIVE if self._adapter.holds_variables else self.variables
+
+    def _values_of(self, entry: Any, variables: Any) -> tuple[list[Any], list[Any]]:
+        """The graph's variable and random-key values."""
+        graph = entry.traced.graph
+        if variables is _LIVE:
+            flat = self._adapter.live_variables(self._target)
+            missing = [p for p in graph.variable_paths if p not in flat]
+            if missing:
+                raise MissingModelVariablesError(paths=", ".join(path_str(p) for p in missing[:6]))
+            values = [flat[p] for p in graph.variable_paths]
+        else:
+            values = variable_values(self._program, graph, variables)
+        return values, self._program.rng_leaves(entry, self._rngs)
+
+    def _call(
+        self,
+        variables: Any,
+        inputs: Any,
+        kwargs: dict[str, Any],
+        statics: Any,
+        arrays: Any,
+        reads: Any,
+        sweep: Any,
+    ) -> Any:
+        program = self._program
+        mutable = program.base.traced.split.mutable
+        entry, leaves = program.lookup(tuple(inputs), kwargs, self._rngs, mutable)
+        values, rng_leaves = self._values_of(entry, variables)
+        run = entry.__dict__.get("lens_run")
+        if run is None:  # one jitted function per traced entry (input signature)
+            run = functools.partial(self._evaluate, entry)
+            run = entry.__dict__["lens_run"] = jax.jit(run, static_argnums=(0,))
+        return run((statics, reads, sweep), values, rng_leaves, leaves, arrays)
+
+    def whole_values(self, inputs: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Every call's output (whole pytrees), loops included (stacked, ``name[:]``),
+        in call order, with the model's own variables: `js.intermediates` with
+        ``names="all"``."""
+        _, cache = self._call(self._own(), inputs, kwargs, (), [], None, None)
+        return {w.name: cache[w.name] for w in self._outputs}
+
+    def _normalised(self, given: dict[str, Any], sweep: Any) -> tuple[tuple[Any, ...], list[Any]]:
+        """The interventions as their static parts (`Intervention`) and arrays, checked
+        against the sites (in a sweep, after a leading axis of one length)."""
+        statics, arrays, runs = [], [], set()
+        for kind in KINDS:
+            entries = given[kind]
+            if entries is None:
+                continue
+            if not isinstance(entries, Mapping):
+                raise LensKindError(kind=kind, got=type(entries).__name__)
+            for spec, value in entries.items():
+                picked = self._pick(spec)
+                static, parts = intervention(kind, spec, value, picked.site, picked.rows, sweep)
+                statics.append(static)
+                arrays.append(parts)
+                runs.update(x.shape[0] for x in parts[:2] if sweep and x is not None)
+        if len(runs) > 1:
+            raise LensSweepAxisError(spec=sorted(runs), kind="all values", shape=None)
+        return tuple(statics), arrays
+
+    def _reads(self, read: Any) -> tuple[str, ...]:
+        if read is None or read is False:
+            return ()
+        if read is True:
+            return tuple(self.sites)
+        if isinstance(read, str):
+            return (read,)
+        if not isinstance(read, Sequence) or not all(isinstance(r, str) for r in read):
+            raise LensSitesSpecError(spec=read, reason="read takes True, a name or a list of names")
+        return tuple(read)
+
+    # ------------------------------------------------------------------ the program
+
+    def _evaluate(
+        self, entry: Any, static: Any, values: Any, rngs: Any, inputs: Any, arrays: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        statics, reads, sweep = static
+        graph = entry.traced.graph
+        resolver = resolver_of(graph)
+        if reads is None:  # every call's whole output (`whole_values`)
+            return None, self._every_output(graph, values, rngs, inputs)
+        wanted, first = {}, {}
+        for spec in reads:
+            picked = self._pick(spec)
+            where = resolver.same(picked.site.where)
+            wanted.setdefault((where, picked.site.leaf), picked.site.name)
+            first_row(first, where, picked.rows)
+        for one in statics if sweep else ():
+            first_row(first, resolver.same(self.sites[one.site].where), one.fixed)
+
+        def run(arrays: Any) -> Any:
+            here = placed(resolver, self.sites, statics, arrays)
+            hooks = LensHooks(here, wanted, first if sweep else {})
+            return evaluate_graph(graph, hooks, values, rngs, inputs), hooks.emitted
+
+        if sweep:
+            axes = [(0, None if mask is None else 0, None) for _, mask, _ in arrays]
+            out, emitted = jax.vmap(run, in_axes=(axes,))(arrays)
+        else:
+            out, emitted = run(arrays)
+        return out, {spec: self._read(spec, emitted, sweep) for spec in reads}
+
+    def _read(self, spec: str, emitted: dict[str, Any], sweep: Any) -> Any:
+        """What a read of `spec` returns: its site's value, at the iterations it picks."""
+        picked = self._pick(spec)
+        index = tuple(slice(None) if k is None else k for k in picked.rows)
+        stacked = emitted[picked.site.name]
+        if not index:
+            return stacked
+        return stacked[(slice(None), *index)] if sweep else stacked[index]
+
+    def _every_output(self, graph: Any, values: Any, rngs: Any, inputs: Any) -> dict[str, Any]:
+        """Every call's whole output (in counted loops, stacked), from one evaluation."""
+        resolver = resolver_of(graph)
+        whole = {resolver.same(w): w.name for w in self._outputs}
+        hooks = LensHooks({}, {}, {}, whole)
+        evaluate_graph(graph, hooks, values, rngs, inputs)
+        return {name: hooks.emitted[name] for name in whole.values()}
+
+
+def _every_site(seen: dict[Selection, Any]) -> list[str]:
+    """Every call's output the hooks see, loops included (every iteration, ``[:]``)."""
+    return [where.name for where in seen if where.side == OUTPUT]
+
+
+def _site_specs(sites: Any) -> list[str]:
+    if isinstance(sites, str):
+        return [sites]
+    if not isinstance(sites, Sequence) or not all(isinstance(s, str) for s in sites):
+        raise LensSitesSpecError(spec=sites, reason="sites takes None or a list of names")
+    return list(sites)
+
+
+def lens(target: Any, *args: Any, sites: Any = None, **kwargs: Any) -> Lens:
+    """A model whose interventions at `sites` are call-time arguments, compiled once.
+
+    Args:
+      target, *args, **kwargs: as for `js.slice` (any model kind); keywords fix the mode.
+      sites: boundary names (``"layers[:]"``, ``"layers[:]/attn:input"``, ``"head"``;
+        ``name#k`` for array leaf k of the value there), or None for every call's output,
+        inside scans too (``layers[:]/mlp``).
+
+    Returns:
+      A `Lens`: ``lens(*inputs, add=..., scale=..., set=..., read=...)``.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxslice as js
+    >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+    >>> x = jnp.ones((3, 5))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> lens = js.lens(model, variables, x)
+    >>> list(lens.sites)
+    ['layers_0', 'layers_2']
+    >>> out = lens(x, scale={"layers_0": 0.0})   # ablate the first layer's output
+    >>> bool(jnp.allclose(out, model.layers[2].apply(
+    ...     {"params": variables["params"]["layers_2"]}, jnp.zeros((3, 4)))))
+    True
+    """
+    return Lens(target, args, kwargs, sites)
+
+
+_compat.register_frames_exclusion(__file__)
