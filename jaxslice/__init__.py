@@ -76,6 +76,7 @@ __all__ = [
     "MissingInputError",
     "ModelTraceError",
     "SingleArgumentWarning",
+    "Site",
     "SliceError",
     "Sliceable",
     "Sliced",

@@ -53,10 +53,8 @@ from ._lens_run import LensHooks, counted, first_row, intervention, placed, prob
 from ._trees import path_str
 from .adapters import adapter_for
 
-KINDS = ("scale", "add", "set")
-_LIVE = (
-    object()
-)  # "the variables the model holds, read at the call"  # applied at a site in this order
+KINDS = ("scale", "add", "set")  # applied at a site in this order
+_LIVE = object()  # stands for the variables a model holds, read at each call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +130,9 @@ class Lens:
     iteration a name picks (``layers[3]``) is data, so a sweep over layers compiles once.
 
     Attributes:
-      sites: ``{name: Site}``, the sites in call order.
+      sites: ``{name: Site}``, the sites in call order, with the shapes of the inputs
+        the lens was made with (a call with inputs of other shapes is checked against
+        that call's).
     """
 
     def __init__(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sites: Any):
@@ -202,16 +202,17 @@ class Lens:
         if found is not None:
             return found
         if not isinstance(spec, str):
-            raise LensNotASiteError(spec=spec, why="not a string", sites=self._site_list())
+            raise LensNotASiteError(spec=spec, why="not a string.", sites=self._site_list())
         base, leaf = _split_leaf(spec)
         try:
             where = self._resolver.select(Name.of(base), OUTPUT)
         except SliceError as error:
-            why = str(error).split("\n")[0]
+            why = str(error).split("\n")[0].rstrip()
+            why = why if why.endswith((".", "?", "!")) else f"{why}."
             raise LensNotASiteError(spec=spec, why=why, sites=self._site_list()) from None
         site = self._by_where.get((where.every(), 0 if leaf is None else leaf))
         if site is None:
-            why = "a boundary the lens was not made with"
+            why = "a boundary the lens was not made with."
             raise LensNotASiteError(spec=spec, why=why, sites=self._site_list())
         rows = tuple(None if k == STACKED else int(k) for k in where.path)
         found = self._picked[spec] = _Picked(site, rows)
@@ -252,10 +253,10 @@ class Lens:
         **kwargs: Any,
     ) -> Any:
         """`__call__` with the given variables (of the structure of `variables`)."""
-        statics, arrays = self._normalised({"scale": scale, "add": add, "set": set}, None)
+        given = {"scale": scale, "add": add, "set": set}
         reads = self._reads(read)
-        out, cache = self._call(variables, inputs, kwargs, statics, arrays, reads, None)
-        if read is None:
+        out, cache = self._call(variables, inputs, kwargs, given, reads, None)
+        if read is None or read is False:
             return out
         return out, {name: cache[name] for name in reads}
 
@@ -278,12 +279,12 @@ class Lens:
         24 runs 12 + n x 12 iterations, not n x 24. That k is part of what the sweep is
         compiled for (sweeps at another first iteration compile again).
         """
-        statics, arrays = self._normalised({"scale": scale, "add": add, "set": set}, True)
-        reads = self._reads(read)
-        if not arrays:
+        given = {"scale": scale, "add": add, "set": set}
+        if not any(given.values()):
             raise LensSweepEmptyError()
-        out, cache = self._call(self._own(), inputs, kwargs, statics, arrays, reads, True)
-        if read is None:
+        reads = self._reads(read)
+        out, cache = self._call(self._own(), inputs, kwargs, given, reads, True)
+        if read is None or read is False:
             return out
         return out, {name: cache[name] for name in reads}
 
@@ -327,8 +328,7 @@ class Lens:
         variables: Any,
         inputs: Any,
         kwargs: dict[str, Any],
-        statics: Any,
-        arrays: Any,
+        given: dict[str, Any],
         reads: Any,
         sweep: Any,
     ) -> Any:
@@ -336,6 +336,8 @@ class Lens:
         mutable = program.base.traced.split.mutable
         entry, leaves = program.lookup(tuple(inputs), kwargs, self._rngs, mutable)
         values, rng_leaves = self._values_of(entry, variables)
+        sites = self._sites_at(entry, (values, rng_leaves))
+        statics, arrays = self._normalised(given, sites, sweep)
         run = entry.__dict__.get("lens_run")
         if run is None:  # one jitted function per traced entry (input signature)
             run = functools.partial(self._evaluate, entry)
@@ -346,22 +348,42 @@ class Lens:
         """Every call's output (whole pytrees), loops included (stacked, ``name[:]``),
         in call order, with the model's own variables: `js.intermediates` with
         ``names="all"``."""
-        _, cache = self._call(self._own(), inputs, kwargs, (), [], None, None)
+        _, cache = self._call(self._own(), inputs, kwargs, {}, None, None)
         return {w.name: cache[w.name] for w in self._outputs}
 
-    def _normalised(self, given: dict[str, Any], sweep: Any) -> tuple[tuple[Any, ...], list[Any]]:
+    def _sites_at(self, entry: Any, values: Any) -> dict[str, Site]:
+        """The sites with the shapes of this entry's inputs (probed once per entry)."""
+        if entry is self._program.base:
+            return self.sites
+        found = entry.__dict__.get("lens_sites")
+        if found is None:
+            graph = entry.traced.graph
+            seen = probe(graph, values)
+            resolver = resolver_of(graph)
+            found = {
+                name: dataclasses.replace(site, value=seen[resolver.same(site.where)][site.leaf])
+                for name, site in self.sites.items()
+            }
+            entry.__dict__["lens_sites"] = found
+        return found
+
+    def _normalised(
+        self, given: dict[str, Any], sites: dict[str, Site], sweep: Any
+    ) -> tuple[tuple[Any, ...], list[Any]]:
         """The interventions as their static parts (`Intervention`) and arrays, checked
-        against the sites (in a sweep, after a leading axis of one length)."""
+        against the sites (`sites`: with this call's shapes; in a sweep, after a leading
+        axis of one length)."""
         statics, arrays, runs = [], [], set()
         for kind in KINDS:
-            entries = given[kind]
+            entries = given.get(kind)
             if entries is None:
                 continue
             if not isinstance(entries, Mapping):
                 raise LensKindError(kind=kind, got=type(entries).__name__)
             for spec, value in entries.items():
                 picked = self._pick(spec)
-                static, parts = intervention(kind, spec, value, picked.site, picked.rows, sweep)
+                site = sites[picked.site.name]
+                static, parts = intervention(kind, spec, value, site, picked.rows, sweep)
                 statics.append(static)
                 arrays.append(parts)
                 runs.update(x.shape[0] for x in parts[:2] if sweep and x is not None)

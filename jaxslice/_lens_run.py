@@ -20,6 +20,7 @@ import numpy as np
 from . import _compat
 from ._core.evaluate import BoundaryEvent, Hooks
 from ._core.evaluate import evaluate as evaluate_graph
+from ._core.jaxprs import row
 from ._core.selection import Resolver, Selection
 from ._errors import LensKindError, LensSweepAxisError, LensValueShapeError
 
@@ -215,7 +216,7 @@ def _row(value: Any, every: tuple[bool, ...], rows: tuple[Any, ...], extra: int)
     lead = stacked_rows[len(stacked_rows) - extra :] if extra <= len(stacked_rows) else []
     for r in lead:
         size = value.shape[0]
-        value = value[0] if size == 1 else jax.lax.dynamic_index_in_dim(value, r, 0, False)
+        value = value[0] if size == 1 else row(value, r)
     return value
 
 

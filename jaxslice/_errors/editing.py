@@ -226,7 +226,7 @@ class LensNotASiteError(InvalidSpecError):
     """An intervention or read names no site of the lens."""
 
     TEMPLATE = (
-        "{spec!r} is no site of this lens (nor one iteration of a site): {why}. Its sites: "
+        "{spec!r} is no site of this lens (nor one iteration of a site): {why} Its sites: "
         "{sites}. "
         "Make the lens with `sites=[...]` including it (sites=None takes every call's "
         "output), or name one iteration of a site inside a scan ('layers[3]')."

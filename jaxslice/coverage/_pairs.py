@@ -34,7 +34,10 @@ SIGN, VALUE = "sign", "value"
 # not with the capacity.
 _BLOCK = 512
 _PRODUCTS = 2**25
-_DENSE = 2**25  # up to this many, every input pair of a block is taken at once
+# Layer pairs whose packed product for a block of `_PACKED` earlier inputs has up to
+# `_DENSE` words take every input pair of a block at once (`_packed_cover`).
+_PACKED = 64
+_DENSE = 2**22
 
 
 def sign_change(a: Any, b: Any) -> Any:
@@ -161,7 +164,8 @@ class PairCriterion(Criterion):
         return PairFamily.states([self], new)[0]
 
     def counts(self, state):
-        return [(jnp.sum(c), c.size) for c in state[0]]
+        # On the host: one read of each matrix rather than a dispatched sum per matrix.
+        return [(int(np.count_nonzero(np.asarray(c))), c.size) for c in state[0]]
 
 
 class PairFamily:
@@ -212,12 +216,7 @@ class PairFamily:
             jnp.asarray(h).at[rows].set(v.astype(h.dtype), mode="drop")
             for h, v in zip(history, values, strict=True)
         ]
-        per_layer_pair = [
-            _cover(criteria, [c[k] for c in covered], values[k : k + 2], history[k : k + 2],
-                   count, valid, seen)
-            for k in range(len(values) - 1)
-        ]  # fmt: skip
-        covered = [[per[i] for per in per_layer_pair] for i in range(len(criteria))]
+        covered = _cover(criteria, covered, values, history, count, valid, seen)
         return covered, history, count + seen
 
 
@@ -226,49 +225,127 @@ def _change(condition: tuple[str, float | None], a: Any, b: Any) -> Any:
     return sign_change(a, b) if kind == SIGN else value_change(a, b, ratio)
 
 
-def _cover(criteria, covs, new, old, count, valid, seen) -> list[Any]:
-    """`covs` (one matrix per criterion, for layers k and k+1) with the pairs each new
-    input (row count + i of the history, for the rows `valid` marks) covers with every
-    input before it."""
-    (new1, new2), (old1, old2) = new, old
-    firsts = sorted({c.condition("first") for c in criteria}, key=str)
-    seconds = sorted({c.condition("second") for c in criteria}, key=str)
+def _packed(x: Any, axis: int) -> Any:
+    """Booleans `x` with 32 consecutive entries along `axis` (a multiple of 32 long) packed
+    into the bits of one uint32 word: the axis becomes one of words."""
+    shape = x.shape[:axis] + (x.shape[axis] // 32, 32) + x.shape[axis + 1 :]
+    bits = jnp.arange(32, dtype=jnp.uint32).reshape((32,) + (1,) * (x.ndim - axis - 1))
+    return jnp.sum(x.reshape(shape).astype(jnp.uint32) << bits, axis=axis + 1, dtype=jnp.uint32)
+
+
+def _any_products(f: Any, g: Any) -> Any:
+    """(N1, N2): for packed rows f (R, N1) and g (R, N2) of 32 input pairs each, whether
+    some input pair holds both f[., n1] and g[., n2]: one AND tests 32 pairs."""
+    return jnp.any((f[:, :, None] & g[:, None, :]) != 0, axis=0)
+
+
+def _cover(criteria, covered, new, old, count, valid, seen) -> list[list[Any]]:
+    """`covered` (per criterion, one matrix per adjacent pair of layers) with the pairs
+    each new input (row count + i of the history, for the rows `valid` marks) covers with
+    every input before it: small layer pairs together (`_packed_cover`), wide ones one by
+    one (`_gathered_cover`)."""
+    conds = firsts, seconds = _conditions(criteria, "first"), _conditions(criteria, "second")
+    b, sizes = new[0].shape[0], [v.shape[1] for v in new]
+    shapes = list(zip(sizes[:-1], sizes[1:], strict=True))
+    # The packed product's words for a block of earlier inputs (a bound on its memory).
+    words = [b * _PACKED // 32 * n1 * len(firsts) * n2 * len(seconds) for n1, n2 in shapes]
+    small = [k for k, w in enumerate(words) if w <= _DENSE]
+    bigs = dict(zip(small, _packed_cover(conds, small, new, old, count, valid, seen)))
+    for k in sorted(set(range(len(shapes))) - set(small)):
+        bigs[k] = _gathered_cover(conds, new[k : k + 2], old[k : k + 2], count, valid, seen)
+    out = []
+    for crit, covs in zip(criteria, covered, strict=True):
+        f, g = firsts.index(crit.condition("first")), seconds.index(crit.condition("second"))
+        out.append([
+            cov | bigs[k][f * n1 : (f + 1) * n1, g * n2 : (g + 1) * n2]
+            for k, (cov, (n1, n2)) in enumerate(zip(covs, shapes, strict=True))
+        ])  # fmt: skip
+    return out
+
+
+def _conditions(criteria: list[PairCriterion], which: str) -> list[tuple[str, float | None]]:
+    return sorted({c.condition(which) for c in criteria}, key=str)
+
+
+def _hamming(signs: Any, old: Any) -> Any:
+    """(b, rows): how many neurons differ in sign between each new input (its signs as
+    0/1) and each earlier one (values)."""
+    old_signs = (old > 0).astype(jnp.float32)
+    same = _count_products(signs.T, old_signs.T)  # neurons active in both
+    return jnp.sum(signs, axis=1)[:, None] + jnp.sum(old_signs, axis=1)[None, :] - 2 * same
+
+
+def _packed_cover(conds, pairs, new, old, count, valid, seen) -> list[Any]:
+    """For the layer pairs `pairs` (k: layers k and k+1), whether some new input and some
+    earlier one cover each (first condition, n1) x (second condition, n2): blocks of
+    earlier inputs, every input pair of a block at once, with 32 earlier inputs packed
+    into the bits of a word. Packed, a sign change of a layer's neurons is one XOR per
+    word, and the neuron-pair product tests 32 input pairs with one AND. A layer's
+    conditions serve both layer pairs it is in."""
+    firsts, seconds = conds
+    b = new[0].shape[0]
+    block = min(old[0].shape[0], _PACKED)
+    position = count + jnp.arange(b)[:, None]  # where each new input sits in the history
+    signs = [(v > 0).astype(jnp.float32) for v in new]
+    active = [jnp.where(v > 0, ~jnp.uint32(0), jnp.uint32(0))[:, None] for v in new]
+    layers = sorted({k for k in pairs} | {k + 1 for k in pairs})
+
+    def one_block(blk: Any, bigs: list[Any]) -> list[Any]:
+        start = blk * block
+        olds = {k: jax.lax.dynamic_slice_in_dim(old[k], start, block) for k in layers}
+        earlier = (start + jnp.arange(block)[None, :] < position) & valid[:, None]
+        memo: dict[Any, Any] = {}
+
+        def changes(k: int, c: tuple[str, float | None]) -> Any:
+            """(b, words, neurons): condition c of each new input with earlier ones."""
+            if (k, c) not in memo:
+                memo[k, c] = (
+                    _packed(olds[k] > 0, 0)[None] ^ active[k]
+                    if c[0] == SIGN
+                    else _packed(_change(c, new[k][:, None], olds[k][None]), 1)
+                )
+            return memo[k, c]
+
+        out = []
+        for k, big in zip(pairs, bigs, strict=True):
+            flips = _hamming(signs[k], olds[k])
+            f = [
+                changes(k, c) & _packed(earlier & (flips == (c[0] == SIGN)), 1)[..., None]
+                for c in firsts
+            ]
+            g = [changes(k + 1, c) for c in seconds]
+            f, g = jnp.concatenate(f, axis=-1), jnp.concatenate(g, axis=-1)
+            out.append(big | _any_products(f.reshape(-1, f.shape[-1]), g.reshape(-1, g.shape[-1])))
+        return out
+
+    zeros = [
+        jnp.zeros((new[k].shape[1] * len(firsts), new[k + 1].shape[1] * len(seconds)), bool)
+        for k in pairs
+    ]
+    return jax.lax.fori_loop(0, -(-(count + seen) // block), one_block, zeros)
+
+
+def _gathered_cover(conds, new, old, count, valid, seen) -> Any:
+    """For one wide layer pair: blocks of earlier inputs; the Hamming distances pick the
+    input pairs that can cover (one sign change in layer k, or none), and the neuron-pair
+    products are formed for those only, `chunk` at a time."""
+    (firsts, seconds), (new1, new2), (old1, old2) = conds, new, old
     wants = sorted({1 if kind == SIGN else 0 for kind, _ in firsts})  # allowed distances
     b, (rows, n1), n2 = new1.shape[0], old1.shape, new2.shape[1]
     w1, w2 = n1 * len(firsts), n2 * len(seconds)  # the product's rows and columns
-    # Small layers take every input pair of a (smaller) block in one product; wide
-    # ones only the pairs that can cover, `chunk` at a time (as one criterion would).
-    dense = b * min(rows, _BLOCK) * n1 * n2 <= _DENSE
-    block = min(rows, _BLOCK // 4 if dense else _BLOCK)
+    block = min(rows, _BLOCK)
     chunk = max(1, min(b * block, 4096, _PRODUCTS // (w1 * w2)))
     padded = -(-(b * block) // chunk) * chunk
     signs = (new1 > 0).astype(jnp.float32)
-    active = jnp.sum(signs, axis=1)[:, None]
     position = count + jnp.arange(b)[:, None]  # where each new input sits in the history
-
-    def first_changes(a: Any, o: Any, flips: Any) -> Any:
-        """Each first condition, where the Hamming distance is the one it allows."""
-        parts = [
-            _change(c, a, o) & (flips == (1 if c[0] == SIGN else 0))[..., None] for c in firsts
-        ]
-        return jnp.concatenate(parts, axis=-1)
-
-    def second_changes(a: Any, o: Any) -> Any:
-        return jnp.concatenate([_change(c, a, o) for c in seconds], axis=-1)
 
     def one_block(blk: Any, big: Any) -> Any:
         start = blk * block
         o1 = jax.lax.dynamic_slice_in_dim(old1, start, block)
         o2 = jax.lax.dynamic_slice_in_dim(old2, start, block)
-        old_signs = (o1 > 0).astype(jnp.float32)
-        same = _count_products(signs.T, old_signs.T)  # neurons active in both
-        flips = active + jnp.sum(old_signs, axis=1)[None, :] - 2 * same  # Hamming distance
+        flips = _hamming(signs, o1)
         earlier = (start + jnp.arange(block)[None, :] < position) & valid[:, None]
         near = earlier & functools.reduce(jnp.logical_or, [flips == w for w in wants])
-        if dense:  # small layers: the products of every input pair of the block at once
-            f = first_changes(new1[:, None], o1[None], flips) & near[..., None]
-            g = second_changes(new2[:, None], o2[None])
-            return big | (_count_products(f.reshape(-1, w1), g.reshape(-1, w2)) > 0)
         near, flips = near.ravel(), flips.ravel()
         found = jnp.sum(near)
         index = jnp.nonzero(near, size=padded, fill_value=0)[0]
@@ -276,20 +353,15 @@ def _cover(criteria, covs, new, old, count, valid, seen) -> list[Any]:
         def one_chunk(t: Any, big: Any) -> Any:
             ids = jax.lax.dynamic_slice_in_dim(index, t * chunk, chunk)
             live = t * chunk + jnp.arange(chunk) < found
-            i, j = ids // block, ids % block
-            f = first_changes(new1[i], o1[j], flips[ids]) & live[:, None]
-            g = second_changes(new2[i], o2[j])
+            i, j, alone = ids // block, ids % block, flips[ids][:, None]
+            f = [_change(c, new1[i], o1[j]) & (alone == (c[0] == SIGN)) for c in firsts]
+            f = jnp.concatenate(f, axis=-1) & live[:, None]
+            g = jnp.concatenate([_change(c, new2[i], o2[j]) for c in seconds], axis=-1)
             return big | (_count_products(f, g) > 0)
 
         return jax.lax.fori_loop(0, -(-found // chunk), one_chunk, big)
 
-    blocks = -(-(count + seen) // block)
-    big = jax.lax.fori_loop(0, blocks, one_block, jnp.zeros((w1, w2), bool))
-    out = []
-    for crit, cov in zip(criteria, covs, strict=True):
-        f, g = firsts.index(crit.condition("first")), seconds.index(crit.condition("second"))
-        out.append(cov | big[f * n1 : (f + 1) * n1, g * n2 : (g + 1) * n2])
-    return out
+    return jax.lax.fori_loop(0, -(-(count + seen) // block), one_block, jnp.zeros((w1, w2), bool))
 
 
 _PAIRS_DOC = """{title} coverage for adjacent layers (Sun et al., 2019), an MC/DC-style criterion.

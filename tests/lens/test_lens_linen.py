@@ -391,3 +391,16 @@ def test_vmap_over_values_is_a_batch_of_calls(lens):
     for i in range(3):
         want = forward(VARIABLES, X, at("layers[:]/attn", 1, lambda a, i=i: a + vs[i]))
         assert_trees_all_close(jax.tree_util.tree_map(lambda a, i=i: a[i], got), want)
+
+
+def test_values_are_checked_against_the_shapes_of_each_call(lens):
+    """A lens made at one input shape, called at another: values broadcast against that
+    call's values (a per-layer, per-position steering array of the new shape), and a value
+    of the old shape is refused."""
+    x = random_input(4, (3, 7, 4))
+    v = jnp.asarray(np.random.default_rng(0).normal(size=(L, 3, 7, D)), jnp.float32)
+    got = lens(x, add={"layers[:]": v})
+    want = forward(VARIABLES, x, at("layers[:]", None, lambda k, h: h + v[k]))
+    assert_trees_all_close(got, want, atol=1e-5)
+    with pytest.raises(js.InputMismatchError, match=r"\(5, 3, 7, 8\)"):
+        lens(x, add={"layers[:]": jnp.zeros((L, B, T, D))})
