@@ -48,9 +48,15 @@ def sign_change(a: Any, b: Any) -> Any:
 def value_change(a: Any, b: Any, ratio: float) -> Any:
     """vc_r: the same sign, different values, and the larger magnitude at least `ratio`
     times the smaller (a NaN never changes value)."""
+    return ((a > 0) == (b > 0)) & _far_apart(a, b, ratio)
+
+
+def _far_apart(a: Any, b: Any, ratio: float) -> Any:
+    """vc_r without its sign part: different values, the larger magnitude at least
+    `ratio` times the smaller."""
     big = jnp.maximum(jnp.abs(a), jnp.abs(b))
     small = jnp.minimum(jnp.abs(a), jnp.abs(b))
-    return ((a > 0) == (b > 0)) & (a != b) & (big >= ratio * small)
+    return (a != b) & (big >= ratio * small)
 
 
 def _check_ratio(name: str, ratio: Any) -> float:
@@ -173,12 +179,14 @@ class PairFamily:
 
     They share one history of every input's neuron values (rows for the largest
     capacity) and one pass over the input pairs: block by block of earlier inputs, the
-    Hamming distances between layer-k sign patterns (one matrix product) pick the input
-    pairs that can cover anything (one sign change in layer k, or none); for those, each
-    distinct condition (a sign change, a value change at a ratio) is computed once, and
-    one matrix product per layer pair gives every criterion's neuron pairs at once: its
-    block of (first conditions) x (second conditions). Wide layers form these products
-    only for the chosen input pairs, a bounded number at a time.
+    Hamming distances between layer-k sign patterns (one matrix product) say which input
+    pairs can cover anything (one sign change in layer k, or none); each distinct
+    condition (a sign change, a value change at a ratio) is computed once per layer, and
+    one product per layer pair gives every criterion's neuron pairs at once: its block of
+    (first conditions) x (second conditions). For small layers every input pair of a
+    block takes part, 32 earlier inputs packed into the bits of a word, so that a sign
+    change is one XOR and the product one AND per 32 input pairs; wide layers form
+    float products only for the input pairs that can cover, a bounded number at a time.
 
     The joint state is ``(covered, history, count)``: per criterion, one boolean
     (|L_k|, |L_k+1|) matrix per adjacent pair of layers; per layer, the values of the
@@ -250,7 +258,7 @@ def _cover(criteria, covered, new, old, count, valid, seen) -> list[list[Any]]:
     # The packed product's words for a block of earlier inputs (a bound on its memory).
     words = [b * _PACKED // 32 * n1 * len(firsts) * n2 * len(seconds) for n1, n2 in shapes]
     small = [k for k, w in enumerate(words) if w <= _DENSE]
-    bigs = dict(zip(small, _packed_cover(conds, small, new, old, count, valid, seen)))
+    bigs = dict(zip(small, _packed_cover(conds, small, new, old, count, valid, seen), strict=True))
     for k in sorted(set(range(len(shapes))) - set(small)):
         bigs[k] = _gathered_cover(conds, new[k : k + 2], old[k : k + 2], count, valid, seen)
     out = []
@@ -265,6 +273,12 @@ def _cover(criteria, covered, new, old, count, valid, seen) -> list[list[Any]]:
 
 def _conditions(criteria: list[PairCriterion], which: str) -> list[tuple[str, float | None]]:
     return sorted({c.condition(which) for c in criteria}, key=str)
+
+
+def _distance(first: tuple[str, float | None]) -> int:
+    """The Hamming distance in layer k that a first condition allows: one sign change
+    (n1's own) for a sign change, none for a value change."""
+    return 1 if first[0] == SIGN else 0
 
 
 def _hamming(signs: Any, old: Any) -> Any:
@@ -288,7 +302,7 @@ def _packed_cover(conds, pairs, new, old, count, valid, seen) -> list[Any]:
     position = count + jnp.arange(b)[:, None]  # where each new input sits in the history
     signs = [(v > 0).astype(jnp.float32) for v in new]
     active = [jnp.where(v > 0, ~jnp.uint32(0), jnp.uint32(0))[:, None] for v in new]
-    layers = sorted({k for k in pairs} | {k + 1 for k in pairs})
+    layers = sorted(set(pairs) | {k + 1 for k in pairs})
 
     def one_block(blk: Any, bigs: list[Any]) -> list[Any]:
         start = blk * block
@@ -297,12 +311,14 @@ def _packed_cover(conds, pairs, new, old, count, valid, seen) -> list[Any]:
         memo: dict[Any, Any] = {}
 
         def changes(k: int, c: tuple[str, float | None]) -> Any:
-            """(b, words, neurons): condition c of each new input with earlier ones."""
+            """(b, words, neurons): condition c of each new input with earlier ones (a
+            value change: no sign change, packed, and far enough apart)."""
             if (k, c) not in memo:
                 memo[k, c] = (
                     _packed(olds[k] > 0, 0)[None] ^ active[k]
                     if c[0] == SIGN
-                    else _packed(_change(c, new[k][:, None], olds[k][None]), 1)
+                    else ~changes(k, (SIGN, None))
+                    & _packed(_far_apart(new[k][:, None], olds[k][None], c[1]), 1)
                 )
             return memo[k, c]
 
@@ -310,7 +326,7 @@ def _packed_cover(conds, pairs, new, old, count, valid, seen) -> list[Any]:
         for k, big in zip(pairs, bigs, strict=True):
             flips = _hamming(signs[k], olds[k])
             f = [
-                changes(k, c) & _packed(earlier & (flips == (c[0] == SIGN)), 1)[..., None]
+                changes(k, c) & _packed(earlier & (flips == _distance(c)), 1)[..., None]
                 for c in firsts
             ]
             g = [changes(k + 1, c) for c in seconds]
@@ -330,7 +346,7 @@ def _gathered_cover(conds, new, old, count, valid, seen) -> Any:
     input pairs that can cover (one sign change in layer k, or none), and the neuron-pair
     products are formed for those only, `chunk` at a time."""
     (firsts, seconds), (new1, new2), (old1, old2) = conds, new, old
-    wants = sorted({1 if kind == SIGN else 0 for kind, _ in firsts})  # allowed distances
+    wants = sorted({_distance(c) for c in firsts})
     b, (rows, n1), n2 = new1.shape[0], old1.shape, new2.shape[1]
     w1, w2 = n1 * len(firsts), n2 * len(seconds)  # the product's rows and columns
     block = min(rows, _BLOCK)
@@ -354,7 +370,7 @@ def _gathered_cover(conds, new, old, count, valid, seen) -> Any:
             ids = jax.lax.dynamic_slice_in_dim(index, t * chunk, chunk)
             live = t * chunk + jnp.arange(chunk) < found
             i, j, alone = ids // block, ids % block, flips[ids][:, None]
-            f = [_change(c, new1[i], o1[j]) & (alone == (c[0] == SIGN)) for c in firsts]
+            f = [_change(c, new1[i], o1[j]) & (alone == _distance(c)) for c in firsts]
             f = jnp.concatenate(f, axis=-1) & live[:, None]
             g = jnp.concatenate([_change(c, new2[i], o2[j]) for c in seconds], axis=-1)
             return big | (_count_products(f, g) > 0)
@@ -380,8 +396,9 @@ _PAIRS_DOC = """{title} coverage for adjacent layers (Sun et al., 2019), an MC/D
     {arxiv}
     Memory: the neuron values of each input seen are kept, up to `capacity` inputs (a
     `SliceError` past that); an update compares the new inputs with the earlier ones in
-    blocks and forms neuron-pair products only for the input pairs that can cover, a
-    bounded number at a time, so its time grows with the inputs seen.
+    blocks (small layers: every input pair of a block at once, 32 to a machine word;
+    wide ones: only the input pairs that can cover, a bounded number at a time), so its
+    time grows with the inputs seen.
 
     Args:
 {args}      capacity: the most inputs whose values are kept.

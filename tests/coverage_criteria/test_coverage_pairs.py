@@ -149,6 +149,34 @@ def test_wide_layer_update_matches_reference(mlp, monkeypatch, products):
     assert_result(t.result(), ref_result(FOUR, t.layers, mlp.outs))
 
 
+def test_packed_and_wide_layer_pairs_in_one_tracker(mlp, monkeypatch):
+    """A bound between the two layer pairs' packed sizes sends one pair the packed way
+    and the other the gathered way in the same update; the result is the reference's."""
+    import jaxslice.coverage._pairs as pairs
+
+    widths = [int(np.prod(np.shape(o)[1:])) for o in mlp.outs.values()]
+    sizes = [a * b for a, b in zip(widths[:-1], widths[1:], strict=True)]
+    assert len(set(sizes)) == 2, widths  # the two pairs differ in size
+    # `_cover` bounds batch * _PACKED / 32 * n1 * (first conditions) * n2 * (second ones)
+    # words: 8 inputs per update, two conditions on each side for the four criteria.
+    per = 8 * pairs._PACKED // 32 * 2 * 2
+    monkeypatch.setattr(pairs, "_DENSE", per * min(sizes))
+    ran = {"packed": 0, "gathered": 0}
+    for name, key in (("_packed_cover", "packed"), ("_gathered_cover", "gathered")):
+        original = getattr(pairs, name)
+
+        def spy(*args, _original=original, _key=key):
+            ran[_key] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(pairs, name, spy)
+    t = C.Tracker(mlp.model, mlp.variables, mlp.x[:2], criteria=[make(s) for s in FOUR])
+    t.update(mlp.x[:8])
+    t.update(mlp.x[8:])
+    assert ran["packed"] and ran["gathered"], ran
+    assert_result(t.result(), ref_result(FOUR, t.layers, mlp.outs))
+
+
 def test_mlp_activation_position_matches_reference(mlp):
     """``position="activation"``: relu(fc1) has exact zeros (0 vs 0 is no change, 0 vs a
     positive value a sign change), tanh(fc2), and the head as it is."""

@@ -359,7 +359,7 @@ def test_a_sweep_runs_the_iterations_before_its_first_once(lens):
     k, n = 3, 4
     vs = vector(11, (n, B, T, D))
     plain = jax.make_jaxpr(lambda v: lens(X, add={f"layers[{k}]": v}))(vs[0])
-    swept = jax.make_jaxpr(lambda v: lens.sweep(X, add={f"layers[{k}]": v}))(vs)
+    swept = jax.make_jaxpr(lambda v: lens.sweep(X, add={f"layers[{k}]": v}, batch_size=n))(vs)
     assert [e.params["length"] for e in scans(plain)] == [L]
     first, rest = scans(swept)
     assert (first.params["length"], rest.params["length"]) == (k, L - k)
@@ -404,3 +404,16 @@ def test_values_are_checked_against_the_shapes_of_each_call(lens):
     assert_trees_all_close(got, want, atol=1e-5)
     with pytest.raises(js.InputMismatchError, match=r"\(5, 3, 7, 8\)"):
         lens(x, add={"layers[:]": jnp.zeros((L, B, T, D))})
+
+
+def test_a_sweep_in_chunks_equals_separate_calls(lens):
+    """`batch_size` runs a few interventions at a time (one `lax.map`, with a remainder):
+    the same outputs and reads as one call per intervention."""
+    vs = vector(13, (7, B, T, D))
+    out, cache = lens.sweep(X, add={"layers[2]": vs}, read=["layers[3]"], batch_size=3)
+    for i in range(7):
+        want_out, want = lens(X, add={"layers[2]": vs[i]}, read=["layers[3]"])
+        assert_trees_all_close(jax.tree_util.tree_map(lambda a, i=i: a[i], out), want_out)
+        assert_trees_all_close(cache["layers[3]"][i], want["layers[3]"])
+    by_hand = forward(VARIABLES, X, at("layers[:]", 2, lambda h: h + vs[5]))
+    assert_trees_all_close(jax.tree_util.tree_map(lambda a: a[5], out), by_hand, atol=1e-5)
