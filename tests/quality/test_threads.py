@@ -426,3 +426,41 @@ def test_failing_trace_in_one_thread():
     check_against_one_thread(kinds, insts, xs, odd=odd)
     assert_nnx_unpatched(*insts)
     assert Failing.__dict__["__call__"] is FAILING_CALL
+
+
+def test_one_lens_from_threads():
+    """4 threads call one `js.lens` at once, each steering a different layer and reading
+    it: the same results as one thread, which equal the layers computed by hand."""
+    model = LinenNet()
+    x = rand(600, (3, D))
+    variables = model.init(jax.random.key(0), x)
+    p = variables["params"]
+    vectors = [rand(700 + i, (D,)) for i in range(N_THREADS)]
+
+    def by_hand(k: int, v: Any) -> tuple[Any, Any]:
+        h, steered = x, None
+        for j in range(DEPTH):
+            z = h @ p[f"layers_{j}"]["kernel"] + p[f"layers_{j}"]["bias"]
+            if j == k:
+                z = steered = z + v
+            h = jnp.tanh(z)
+        return h, steered
+
+    def work_of(lens: js.Lens) -> Callable[[int, int], Any]:
+        def fn(i: int, r: int) -> Any:
+            name = f"layers_{(i + r) % DEPTH}"
+            out, cache = lens(x, add={name: vectors[i]}, read=[name])
+            return {"out": np.asarray(out), "read": np.asarray(cache[name])}
+
+        return fn
+
+    single_fn = work_of(js.lens(model, variables, x))
+    single = [[single_fn(i, r) for r in range(ROUNDS)] for i in range(N_THREADS)]
+    for i in range(N_THREADS):
+        for r in range(ROUNDS):
+            out, steered = by_hand((i + r) % DEPTH, vectors[i])
+            assert_trees_all_close(single[i][r], {"out": out, "read": steered}, atol=1e-5)
+    threaded = run_threads(work_of(js.lens(model, variables, x)))  # compiled concurrently
+    for i in range(N_THREADS):
+        for r in range(ROUNDS):
+            assert_trees_equal(threaded[i][r], single[i][r])
