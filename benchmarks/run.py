@@ -54,6 +54,16 @@ Groups (``--only``), each a module here:
                (and the time per update, for information)
            26. update + result() at a batch size not seen before (after batch 64) /
                at batch 64, the four pair criteria of row 24                      <= 1.5
+  lens     interventions with js.lens (issue 40; see `lens`): a GPT-2-small-shaped
+           scanned stack (12 blocks, width 768, batch 4 x 64) and the stack of rows 10-12:
+           27. first 12-layer patching sweep (build, compiles) / the same sweep warm <= 1.5
+           28. lens with every site inert / the plain jitted model                 <= 1.05
+           29. patching sweep (clean read + 12 set calls) / 13 plain forwards      <= 1.0
+           30. first lens(x, read=True), fresh lens / the first jitted call        <= 1.2
+           31. lens.sweep of 64 patches at layers[12] of 24 / 64 lens calls        <= 0.6
+           32. attribution at every layer (one grad) / grad w.r.t. the input       <= 1.1
+           33. lines a user writes: steering at one layer; a patching sweep        1; <= 6
+           34. first feature map in a fresh process / jax.jit hand-written         <= 1.05
 
 Only the public API of jaxslice is used. The exit status is 1 when a retrace count (exact)
 misses its target or a slice computes a wrong result, and, with ``--strict``, when any
@@ -82,8 +92,12 @@ GROUPS = {
     "cold": "cold",
     "edits": "edits",
     "coverage": "coverage_pairs",
+    "lens": "lens",
+    "cache": "cache",
 }
-EXACT = ("8.",)  # rows whose check is noise-free: they fail the run even without --strict
+# rows whose check is noise-free (they fail the run even without --strict): 8 counts
+# retraces, 27 the persistent cache's hits
+EXACT = ("8.", "27")
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from . import _compat
 from ._core.evaluate import evaluate as evaluate_graph
@@ -100,10 +101,12 @@ class _Picked:
     """Where one given intervention acts: its site, and the iteration in each loop around
     it (None: every iteration)."""
 
-    __slots__ = ("site", "rows")
+    __slots__ = ("site", "rows", "indices")
 
     def __init__(self, site: Site, rows: tuple[int | None, ...]):
         self.site, self.rows = site, rows
+        # the iterations picked, as the arrays a call passes (made once per name)
+        self.indices = [jnp.int32(k) for k in rows if k is not None]
 
 
 class Lens:
@@ -395,7 +398,7 @@ class Lens:
             for spec, value in entries.items():
                 picked = self._pick(spec)
                 site = sites[picked.site.name]
-                static, parts = intervention(kind, spec, value, site, picked.rows, sweep)
+                static, parts = intervention(kind, spec, value, site, picked, sweep)
                 statics.append(static)
                 arrays.append(parts)
                 runs.update(x.shape[0] for x in parts[:2] if sweep and x is not None)

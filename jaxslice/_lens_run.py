@@ -49,10 +49,12 @@ class Intervention:
 
 
 def intervention(
-    kind: str, spec: str, value: Any, site: Any, rows: tuple[int | None, ...], sweep: Any
+    kind: str, spec: str, value: Any, site: Any, picked: Any, sweep: Any
 ) -> tuple[Intervention, tuple[Any, Any, list[Any]]]:
-    """One given intervention at `site` in the iterations `rows`, checked: its static part
-    and its arrays ``(value, mask, picked iterations)``."""
+    """One given intervention at `site` in the iterations `picked.rows` (with
+    `picked.indices`, those that are one iteration as int32 arrays), checked: its static
+    part and its arrays ``(value, mask, picked iterations)``."""
+    rows = picked.rows
     value, mask = _value_and_mask(kind, value)
     every = tuple(k is None for k in rows)
     want = tuple(n for n, e in zip(site.lengths, every, strict=True) if e)
@@ -67,8 +69,9 @@ def intervention(
     # A sweep is compiled for its iterations (its first one decides what runs once);
     # a call takes them as data.
     static = Intervention(kind, site.name, every, extra, mask_extra, rows if sweep else None)
-    picked = [jnp.int32(k) for k in rows if k is not None]
-    return static, (value.astype(site.value.dtype), mask, picked)
+    dtype = site.value.dtype
+    value = value if value.dtype == dtype else value.astype(dtype)
+    return static, (value, mask, picked.indices)
 
 
 def _value_and_mask(kind: str, value: Any) -> tuple[Any, Any]:

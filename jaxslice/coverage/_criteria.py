@@ -49,6 +49,10 @@ class Criterion:
     #: tracker whose criteria all do pads a batch of a new size to a size it has compiled
     #: for (the padding rows must cover nothing) instead of compiling for it
     masks_rows: bool = False
+    #: whether `update` treats each layer on its own (a layer's new state depends only
+    #: on its own state, values and profile): a tracker then updates a stacked layer's
+    #: iterations as one array, the update vmapped over them, instead of one by one
+    per_layer: bool = False
     #: criteria that share work: a tracker updates its criteria of one (not None) family
     #: together, with the family's ``init(criteria, sizes)``, ``update(criteria, state,
     #: values, scaled, profile, valid)`` and ``states(criteria, state)`` (each
@@ -149,12 +153,13 @@ class _Flags(Criterion):
     default), each flag set once some input covers it."""
 
     masks_rows = True
+    per_layer = True
 
     def init(self, sizes: list[int]) -> Any:
         return [np.zeros((n,), bool) for n in sizes]
 
     def counts(self, state):
-        return [(jnp.sum(s), s.size) for s in state]
+        return [(np.count_nonzero(s), np.size(s)) for s in state]
 
 
 def pick(values: Any, n: Any) -> Any:
@@ -257,6 +262,7 @@ class NBC(Criterion):
 
     needs_profile = True
     masks_rows = True
+    per_layer = True
 
     def init(self, sizes):
         return [(np.zeros((n,), bool), np.zeros((n,), bool)) for n in sizes]
@@ -268,7 +274,7 @@ class NBC(Criterion):
         ]
 
     def counts(self, state):
-        return [(jnp.sum(up) + jnp.sum(lo), 2 * up.size) for up, lo in state]
+        return [(np.count_nonzero(up) + np.count_nonzero(lo), 2 * np.size(up)) for up, lo in state]
 
 
 class SNAC(_Flags):

@@ -8,7 +8,11 @@ instead of the output itself.
 
 Everything per batch (the model up to the last chosen layer, the neuron reduction and
 every criterion's update) is one jit-compiled function; state is OR-ed or merged, so
-batches can come in any order and any size. A batch of a size the update (or the
+batches can come in any order and any size. A stacked layer's iterations (``layers[:]/mlp``)
+come out of the model's loop as one array, and stay one through the step: neuron values,
+the profile and the state of every criterion that updates each layer on its own
+(`Criterion.per_layer`, all but the pair criteria) are computed vmapped over the
+iterations, so the step does not grow with the number of iterations. A batch of a size the update (or the
 profile) was not compiled for is padded, on the host, to the smallest size it was
 compiled for that holds it (with copies of its last input, which the criteria and the
 statistics mask out: a padding row covers and counts nothing), so a smaller last batch
@@ -40,7 +44,7 @@ from .._errors import (
 from .._table import PrintsAsTable
 from .._trees import is_traced_leaf
 from ..observe import GRANULARITIES, Moments, Observer, neuron_count, neurons, scaled
-from ..observe._observer import per_iteration
+from ..observe._observer import layer_units, over_units, per_iteration, to_layers, to_units
 from ._criteria import KMNC, NBC, NC, SNAC, TKNC, Criterion
 
 _PROFILE, _UPDATE = 0, 1
@@ -131,12 +135,16 @@ class Tracker:
         self._observer = Observer(target, args, kwargs, layers, position)
         self._search_observer: Observer | None = None  # made by the first `run_layers(before=True)`
         self._rows = per_iteration(self._observer)
+        # The profile and the update handle a stacked layer's iterations as one array (a
+        # unit): the profile, and the state of a criterion that updates each layer on its
+        # own (`Criterion.per_layer`), are kept per unit, a stack's iterations stacked.
+        self._units = layer_units(self._observer, self._rows)
         self.layers = [name for name, _, _ in self._rows]
         shapes = [self._observer.shapes[i][len(row) :] for _, i, row in self._rows]
         self.sizes = _neuron_counts(self.layers, shapes, granularity)
         self._names = _names(self.criteria)
         self._groups = _groups(self.criteria)  # what is updated together, in one state
-        self._profile: list[Moments] | None = None
+        self._profile: list[Moments] | None = None  # per unit
         # The batch sizes each step was compiled for; a batch of a new size is padded to
         # the smallest of them that holds it (the update's only where every criterion
         # masks rows).
@@ -148,10 +156,14 @@ class Tracker:
 
     def reset(self) -> None:
         """Forgets every covered neuron (the profile is kept)."""
-        self._state = [
-            family.init(crits, self.sizes) if family else crits[0].init(self.sizes)
-            for family, crits in self._grouped()
-        ]
+        self._state = []
+        for family, crits in self._grouped():
+            if family:
+                self._state.append(family.init(crits, self.sizes))
+            elif crits[0].per_layer:  # kept per unit
+                self._state.append(to_units(self._units, crits[0].init(self.sizes)))
+            else:
+                self._state.append(crits[0].init(self.sizes))
         self._seen = 0
 
     @property
@@ -161,17 +173,19 @@ class Tracker:
             return None
         return {
             name: {"low": m.low, "high": m.high, "mean": m.mean, "std": m.std}
-            for name, m in zip(self.layers, self._profile, strict=True)
+            for name, m in zip(self.layers, self._per_layer(self._profile), strict=True)
         }
 
     def profile(self, batches: Iterable[Any]) -> None:
         """Streams training batches to record each neuron's [low, high], mean and std."""
-        acc = [Moments.empty((n,)) for n in self.sizes] if self._profile is None else self._profile
+        acc = self._profile
+        if acc is None:
+            acc = to_units(self._units, [Moments.empty((n,)) for n in self.sizes])
         seen = False
         for batch in batches:
             n = self.batch_size(batch)
             batch = self._compiled_size(_PROFILE, batch, n, True)
-            acc = self.run_layers(_PROFILE, batch, self._profile_step, acc, np.int32(n))
+            acc = self._observer.run(_PROFILE, batch, self._profile_step, acc, np.int32(n))
             seen = True
         if not seen:
             raise NoBatchesError()
@@ -197,7 +211,7 @@ class Tracker:
         batch = self._compiled_size(_UPDATE, batch, n, self._pads)
         state, profile = self._state, self._profile
         # The state is donated: the update writes the history of the pair criteria in place.
-        self._state = self.run_layers(
+        self._state = self._observer.run(
             _UPDATE, batch, self._update_step, state, profile, np.int32(n), donate=(0,)
         )
         self._seen += n
@@ -230,7 +244,10 @@ class Tracker:
         out: list[Any] = [None] * len(self.criteria)
         for (family, members), state in zip(self._groups, self._state, strict=True):
             crits = [self.criteria[i] for i in members]
-            own = family.states(crits, state) if family else [state]
+            if family:
+                own = family.states(crits, state)
+            else:
+                own = [self._per_layer(state) if crits[0].per_layer else state]
             for i, part in zip(members, own, strict=True):
                 out[i] = part
         return tuple(out)
@@ -310,45 +327,91 @@ class Tracker:
     def _grouped(self) -> list[tuple[Any, list[Criterion]]]:
         return [(family, [self.criteria[i] for i in members]) for family, members in self._groups]
 
+    def _per_layer(self, per_unit: list[Any]) -> list[Any]:
+        """Entries kept per unit (the profile, a `per_layer` criterion's state) as NumPy
+        arrays per layer."""
+        return to_layers(self._units, jax.tree_util.tree_map(np.asarray, per_unit))
+
     def _check_profile(self) -> None:
         needing = [n for n, c in zip(self._names, self.criteria, strict=True) if c.needs_profile]
         if needing and self._profile is None:
             raise ProfileNeededError(names=", ".join(needing))
 
     def _profile_step(self, outputs: Any) -> Any:
-        granularity = self.granularity
+        """The profile's step; `outputs` gives the observed outputs, the profile is per unit."""
+        granularity, units = self.granularity, self._units
 
         def step(v: Any, r: Any, x: Any, acc: list[Moments], n: Any) -> list[Moments]:
-            outs = outputs(v, r, x)
-            valid = jnp.arange(outs[0].shape[0]) < n  # the batch's inputs; then padding
-            return [
-                m.merge(Moments.of(neurons(o, granularity), valid))
-                for m, o in zip(acc, outs, strict=True)
-            ]
+            arrays = [u.array(outputs(v, r, x)) for u in units]
+            valid = jnp.arange(units[0].batch(arrays[0])) < n  # the batch's inputs; then padding
+
+            def merged(out: Any, m: Moments) -> Moments:
+                return m.merge(Moments.of(neurons(out, granularity), valid))
+
+            return over_units(merged, units, arrays, acc)
 
         return step
 
     def _update_step(self, outputs: Any) -> Any:
-        granularity = self.granularity
+        """The update's step; `outputs` gives the observed outputs, the profile is per unit."""
+        granularity, units = self.granularity, self._units
         groups = self._grouped()
         need_scaled = any(c.needs_scaled for c in self.criteria)
 
         def step(v: Any, r: Any, x: Any, state: list[Any], profile: Any, n: Any) -> list[Any]:
             outs = outputs(v, r, x)
-            values = [neurons(o, granularity) for o in outs]
-            sc = [neurons(scaled(o), granularity) for o in outs] if need_scaled else None
-            valid = jnp.arange(values[0].shape[0]) < n  # the batch's inputs; then padding
-            new = []
-            for (family, crits), s in zip(groups, state, strict=True):
-                if family is not None:
-                    new.append(family.update(crits, s, values, sc, profile, valid))
-                elif crits[0].masks_rows:
-                    new.append(crits[0].update(s, values, sc, profile, valid))
-                else:
-                    new.append(crits[0].update(s, values, sc, profile))
-            return new
+            arrays = [u.array(outs) for u in units]
+            values = over_units(lambda o: neurons(o, granularity), units, arrays)
+            sc = None
+            if need_scaled:
+                sc = over_units(lambda o: neurons(scaled(o), granularity), units, arrays)
+            valid = jnp.arange(units[0].batch(arrays[0])) < n  # the batch's inputs; then padding
+            batch = _Batch(units, values, sc, profile, valid)
+            return [
+                _updated(family, crits, s, batch)
+                for (family, crits), s in zip(groups, state, strict=True)
+            ]
 
         return step
+
+
+class _Batch:
+    """What a batch gives the criteria in the update's step: neuron values, scaled values
+    (or None) and the profile (or None), per unit and, when asked for, per layer."""
+
+    def __init__(self, units: list[Any], values: list[Any], sc: Any, profile: Any, valid: Any):
+        self.units, self.valid = units, valid
+        self.per_unit = (values, sc, profile)
+        self._per_layer: tuple[Any, ...] | None = None
+
+    def per_layer(self) -> tuple[Any, ...]:
+        """(values, scaled, profile) with one entry per layer (made once, when asked for)."""
+        if self._per_layer is None:
+            self._per_layer = tuple(
+                None if part is None else to_layers(self.units, part) for part in self.per_unit
+            )
+        return self._per_layer
+
+
+def _updated(family: Any, crits: list[Criterion], state: Any, batch: _Batch) -> Any:
+    """One group's state after a batch: a criterion that updates each layer on its own
+    updates a stacked layer's iterations together (vmapped, its state kept per unit);
+    the others see every layer."""
+    if family is not None:
+        return family.update(crits, state, *batch.per_layer(), batch.valid)
+    crit = crits[0]
+    rows = (batch.valid,) if crit.masks_rows else ()
+    if not crit.per_layer:
+        return crit.update(state, *batch.per_layer(), *rows)
+
+    listed = lambda a: None if a is None else [a]  # noqa: E731
+
+    def one(s: Any, v: Any, c: Any, p: Any) -> Any:
+        return crit.update([s], [v], listed(c), listed(p), *rows)[0]
+
+    nothing = [None] * len(batch.units)
+    values, sc, profile = (nothing if part is None else part for part in batch.per_unit)
+    return over_units(one, batch.units, state, values, sc, profile)
 
 
 def _groups(criteria: list[Criterion]) -> list[tuple[Any, list[int]]]:

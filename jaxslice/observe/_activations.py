@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
@@ -120,17 +119,19 @@ class ActivationStats:
 
     def result(self) -> StatsResult:
         """``{name: {"mean", "std", "min", "max", "zero_fraction", "count"}}`` (a dict that
-        prints as a table)."""
+        prints as a table); with ``per="channel"`` the values are NumPy arrays."""
         out = StatsResult()
-        for name, m in zip(self.names, self._acc, strict=True):
+        # On the host: a few small arrays, where eager JAX would compile each operation.
+        conv = float if self.per == "tensor" else (lambda a: a)
+        for name, acc in zip(self.names, self._acc, strict=True):
+            m = Moments(*(np.asarray(a, np.float32) for a in acc))
             count = float(m.count)
-            conv = float if self.per == "tensor" else (lambda a: a)
             out[name] = {
                 "mean": conv(m.mean),
-                "std": conv(m.std),
+                "std": conv(np.sqrt(m.m2 / m.count) if count else np.zeros_like(m.m2)),
                 "min": conv(m.low),
                 "max": conv(m.high),
-                "zero_fraction": conv(m.zeros / count) if count else conv(jnp.zeros_like(m.zeros)),
+                "zero_fraction": conv(m.zeros / m.count if count else np.zeros_like(m.zeros)),
                 "count": count,
             }
         return out
