@@ -1,4 +1,4 @@
-"""Row 27: a second process's first call, with JAX's persistent compilation cache.
+"""Row 35: a second process's first call, with JAX's persistent compilation cache.
 
 Usage: python benchmarks/cache.py [--quick]
 
@@ -7,10 +7,11 @@ pre-LN transformer blocks in one ``nn.scan`` on batch 8 x 64 tokens x width 128;
 ``--quick``: 12 blocks) and calls it once, timed in a fresh interpreter with
 `time.perf_counter` (imports and loading the variables from a file are untimed):
 
-  27a. js.slice(end="layers[2]") and its first call
-  27b. js.edit(...).insert_after("layers[:]/down", scale, inputs=("s",)).build() and its
+  35a. js.slice(end="layers[2]") and its first call
+  35b. js.edit(...).insert_after("layers[:]/down", scale, inputs=("s",)).build() and its
        first call, with the scale as a call-time input
-  27c. js.intermediates(names=["layers[:]"])
+  35c. js.intermediates(names=["layers[:]"])
+  35d. js.lens(...) called with every block's MLP output scaled (a call-time argument)
 
 Per round and case, a first process runs with an empty cache directory, then a second one
 with the directory the first left (``JAX_COMPILATION_CACHE_DIR``, and
@@ -22,8 +23,8 @@ events ``/jax/compilation_cache/cache_hits`` and ``.../cache_misses``, the latte
 when an entry is written). The note gives the share of the first call that XLA
 compilation took, and what the second call still spends (tracing, jaxslice's analysis,
 lowering, the cache read). Every process checks its result against the model's own
-``apply`` (the unedited model for 27a and 27c, the edit written into the model by hand
-for 27b) after the timed call. The second process loads other variables and inputs than
+``apply`` (the unedited model for 35a and 35c, the edit written into the model by hand
+for 35b and 35d) after the timed call. The second process loads other variables and inputs than
 the first (another seed, the same shapes): they are arguments of the compiled programs,
 not constants, so its programs are the first's.
 
@@ -94,7 +95,7 @@ def rounds(cfg: Config, log: Log, cases: list[str]) -> dict[str, list[tuple[dict
     got: dict[str, list[tuple[dict, dict]]] = {case: [] for case in cases}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(cfg.cold_rounds):
-            log(f"27. persistent compilation cache, round {r + 1} of {cfg.cold_rounds}")
+            log(f"35. persistent compilation cache, round {r + 1} of {cfg.cold_rounds}")
             # the second process loads other values (another seed) of the same shapes
             args = [{"depth": cfg.scan_depth, "end": cfg.scan_end} for _ in range(2)]
             for i, a in enumerate(args):
@@ -142,10 +143,10 @@ def case_row(label: str, pairs: list[tuple[dict, dict]]) -> dict[str, Any]:
 
 
 LABELS = {
-    "slice": "27a. js.slice(end='layers[{end}]') + first call, 2nd process / 1st",
-    "edit": "27b. js.edit(...).build() + first call (call-time input), 2nd process / 1st",
-    "intermediates": "27c. first js.intermediates(names=['layers[:]']), 2nd process / 1st",
-    "lens": "27d. js.lens(...) + first call (every block's MLP output scaled), 2nd process / 1st",
+    "slice": "35a. js.slice(end='layers[{end}]') + first call, 2nd process / 1st",
+    "edit": "35b. js.edit(...).build() + first call (call-time input), 2nd process / 1st",
+    "intermediates": "35c. first js.intermediates(names=['layers[:]']), 2nd process / 1st",
+    "lens": "35d. js.lens(...) + first call (every block's MLP output scaled), 2nd process / 1st",
 }
 
 
