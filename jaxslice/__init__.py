@@ -24,8 +24,8 @@ from ._intermediates import intermediates as intermediates
 from ._interpreter import Equation as Equation
 from ._interpreter import Interpreter as Interpreter
 from ._lens import Lens as Lens
-from ._lens import Site as Site
 from ._lens import lens as lens
+from ._lens_sites import Site as Site
 from ._slice import Sliceable as Sliceable
 from ._slice import slice as slice  # noqa: A004
 from ._sliced import Sliced as Sliced

@@ -17,6 +17,7 @@ from ._core.ports import parsed
 from ._core.program import SliceProgram
 from ._core.trace import trace_split, traced_key
 from ._errors import NamesSpecError
+from ._lens import Lens
 from ._trees import nest
 from .adapters import Adapter, Split, adapter_for
 
@@ -92,12 +93,12 @@ def _every_value(
     key = None if traced is None else (ALL, traced)
     found = _PROGRAMS.get(key) if key is not None else None
     if found is None or (adapter.holds_variables and found.target is not target):
-        from ._lens import Lens
-
-        found = Lens(target, args, kwargs, sites=())
+        found = Lens(target, args, kwargs, sites=(), keep_variables=False)
         if key is not None:
             _PROGRAMS.put(key, found)
-    return found.whole_values(split.args, {**split.kwargs, **split.mode})
+    # The variables given at this call (a model that holds them is read live).
+    variables = None if adapter.holds_variables else split.variables
+    return found.whole_values(variables, split.args, {**split.kwargs, **split.mode})
 
 
 def _program(adapter: Adapter, target: Any, split: Split, names: Any) -> Any:

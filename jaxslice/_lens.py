@@ -31,82 +31,27 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from . import _compat
 from ._core.evaluate import evaluate as evaluate_graph
 from ._core.markers import OUTPUT
-from ._core.names import STACKED
 from ._core.program import SliceProgram
-from ._core.selection import Name, Selection, resolver_of
+from ._core.selection import resolver_of
 from ._errors import (
-    BoundaryInLoopError,
     LensKindError,
-    LensLeafError,
-    LensNotASiteError,
     LensSitesSpecError,
     LensSweepAxisError,
     LensSweepEmptyError,
     MissingModelVariablesError,
-    SliceError,
 )
 from ._interpreter import variable_values
-from ._lens_run import LensHooks, counted, first_row, intervention, placed, probe
+from ._lens_run import LensHooks, first_row, intervention, placed, probe
+from ._lens_sites import Site, Sites, counted
 from ._trees import path_str
 from .adapters import adapter_for
 
 KINDS = ("scale", "add", "set")  # applied at a site in this order
 _LIVE = object()  # stands for the variables a model holds, read at each call
-
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-    """One array value the lens can change or read.
-
-    Attributes:
-      name: its every-iteration name (``layers[:]/attn``, ``head``, ``block:input#1``).
-      where: the record of the call side (`Selection`, every iteration inside loops).
-      leaf: which array leaf of the value there.
-      value: the leaf's shape and dtype in one iteration.
-      lengths: the lengths of the scans around it, outermost first (a leading axis each
-        in stacked values); empty outside loops.
-    """
-
-    name: str
-    where: Selection
-    leaf: int
-    value: jax.ShapeDtypeStruct
-    lengths: tuple[int, ...]
-
-    def __repr__(self) -> str:
-        shape = ", ".join(map(str, self.stacked.shape))
-        return f"Site({self.name!r}, {self.value.dtype}[{shape}])"
-
-    @property
-    def stacked(self) -> jax.ShapeDtypeStruct:
-        """Every iteration's value, stacked (what a read of `name` returns)."""
-        return jax.ShapeDtypeStruct((*self.lengths, *self.value.shape), self.value.dtype)
-
-
-def _split_leaf(spec: str) -> tuple[str, int | None]:
-    base, hash_, leaf = spec.rpartition("#")
-    if not hash_:
-        return spec, None
-    if not leaf.isdigit():
-        raise LensLeafError(spec=spec, reason="the part after '#' must be a leaf number")
-    return base, int(leaf)
-
-
-class _Picked:
-    """Where one given intervention acts: its site, and the iteration in each loop around
-    it (None: every iteration)."""
-
-    __slots__ = ("site", "rows", "indices")
-
-    def __init__(self, site: Site, rows: tuple[int | None, ...]):
-        self.site, self.rows = site, rows
-        # the iterations picked, as the arrays a call passes (made once per name)
-        self.indices = [jnp.int32(k) for k in rows if k is not None]
 
 
 class Lens:
@@ -139,7 +84,17 @@ class Lens:
         that call's).
     """
 
-    def __init__(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sites: Any):
+    def __init__(
+        self,
+        target: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        sites: Any,
+        *,
+        keep_variables: bool = True,
+    ):
+        """`keep_variables`: whether calls without variables use the model's given here
+        (`js.intermediates`, which passes them at each call, keeps only their shapes)."""
         adapter = adapter_for(target)
         self._program = program = SliceProgram.build(target, args, kwargs, adapter=adapter)
         self._target = target
@@ -147,85 +102,18 @@ class Lens:
         self._rngs = program.base.traced.split.rngs
         self._view = program.variables_view
         held = adapter.holds_variables or self._view is not None
-        self._variables = None if held else adapter.split(target, args, kwargs).variables
+        given = None if held else adapter.split(target, args, kwargs).variables
+        self._variables = given if keep_variables else None
         graph = program.base.traced.graph
-        self._resolver = resolver_of(graph)
-        seen = probe(graph, self._values_of(program.base, self._own()))
-        self.sites: dict[str, Site] = {}
-        specs = _every_site(seen) if sites is None else _site_specs(sites)
-        for spec in specs:
-            site = self._new_site(spec, sites is not None, seen)
-            if site is not None:
-                self.sites.setdefault(site.name, site)
+        if adapter.holds_variables:
+            own = _LIVE
+        else:
+            own = given if self._view is None else self._view()
+        seen = probe(graph, self._values_of(program.base, own))
+        self._sites = Sites(resolver_of(graph), sites, seen)
+        self.sites: dict[str, Site] = self._sites.by_name
         #: every call's output the hooks see (in counted loops), for `whole_values`
         self._outputs = [w for w in seen if w.side == OUTPUT and counted(w)]
-        self._by_where: dict[tuple[Selection, int], Site] = {
-            (s.where, s.leaf): s for s in self.sites.values()
-        }
-        self._picked: dict[str, _Picked] = {}
-
-    # ------------------------------------------------------------------ sites
-
-    def _new_site(self, spec: str, explicit: bool, seen: dict[Selection, Any]) -> Site | None:
-        base, leaf = _split_leaf(spec)
-        try:
-            where = self._resolver.select(Name.of(base), OUTPUT, uncounted=True)
-        except BoundaryInLoopError:
-            reason = (
-                "it is called in a branch of a cond (or a loop) that the lens cannot reach; "
-                "name a call around it"
-            )
-            raise LensSitesSpecError(spec=spec, reason=reason) from None
-        if any(k != STACKED for k in where.path):
-            raise LensSitesSpecError(
-                spec=spec, reason="a site names every iteration of a loop ([:])"
-            )
-        leaves = seen.get(where)
-        stacks = counted(where)
-        if not stacks or not leaves:
-            if not explicit:
-                return None
-            reason = (
-                "only loops with a fixed number of iterations (scans) have sites"
-                if not stacks
-                else "the model computes no array there that hooks can see (a call in a "
-                "branch of a cond, or one without array values)"
-            )
-            raise LensSitesSpecError(spec=spec, reason=reason)
-        k = 0 if leaf is None else leaf
-        if k >= len(leaves):
-            raise LensLeafError(spec=spec, reason=f"the value there has {len(leaves)} array leaves")
-        shown = where.name if where.side == OUTPUT else f"{where.name}:input"
-        if leaf is not None:
-            shown = f"{shown}#{leaf}"
-        return Site(shown, where, k, leaves[k], where.lengths)
-
-    def _pick(self, spec: Any) -> _Picked:
-        """The site and iterations a name given at call time picks (parsed once)."""
-        found = self._picked.get(spec)
-        if found is not None:
-            return found
-        if not isinstance(spec, str):
-            raise LensNotASiteError(spec=spec, why="not a string.", sites=self._site_list())
-        base, leaf = _split_leaf(spec)
-        try:
-            where = self._resolver.select(Name.of(base), OUTPUT)
-        except SliceError as error:
-            why = str(error).split("\n")[0].rstrip()
-            why = why if why.endswith((".", "?", "!")) else f"{why}."
-            raise LensNotASiteError(spec=spec, why=why, sites=self._site_list()) from None
-        site = self._by_where.get((where.every(), 0 if leaf is None else leaf))
-        if site is None:
-            why = "a boundary the lens was not made with."
-            raise LensNotASiteError(spec=spec, why=why, sites=self._site_list())
-        rows = tuple(None if k == STACKED else int(k) for k in where.path)
-        found = self._picked[spec] = _Picked(site, rows)
-        return found
-
-    def _site_list(self) -> str:
-        names = list(self.sites)
-        shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
-        return shown or "(none)"
 
     # ------------------------------------------------------------------ calls
 
@@ -359,11 +247,12 @@ class Lens:
             run = entry.__dict__["lens_run"] = jax.jit(run, static_argnums=(0,))
         return run((statics, reads, sweep), values, rng_leaves, leaves, arrays)
 
-    def whole_values(self, inputs: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def whole_values(self, variables: Any, inputs: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Every call's output (whole pytrees), loops included (stacked, ``name[:]``),
-        in call order, with the model's own variables: `js.intermediates` with
-        ``names="all"``."""
-        _, cache = self._call(self._own(), inputs, kwargs, {}, None, None)
+        in call order, with `variables` (None: the model's own): `js.intermediates`
+        with ``names="all"``."""
+        variables = self._own() if variables is None else variables
+        _, cache = self._call(variables, inputs, kwargs, {}, None, None)
         return {w.name: cache[w.name] for w in self._outputs}
 
     def _sites_at(self, entry: Any, values: Any) -> dict[str, Site]:
@@ -396,7 +285,7 @@ class Lens:
             if not isinstance(entries, Mapping):
                 raise LensKindError(kind=kind, got=type(entries).__name__)
             for spec, value in entries.items():
-                picked = self._pick(spec)
+                picked = self._sites.pick(spec)
                 site = sites[picked.site.name]
                 static, parts = intervention(kind, spec, value, site, picked, sweep)
                 statics.append(static)
@@ -429,7 +318,7 @@ class Lens:
             return None, self._every_output(graph, values, rngs, inputs)
         wanted, first = {}, {}
         for spec in reads:
-            picked = self._pick(spec)
+            picked = self._sites.pick(spec)
             where = resolver.same(picked.site.where)
             wanted.setdefault((where, picked.site.leaf), picked.site.name)
             first_row(first, where, picked.rows)
@@ -449,7 +338,7 @@ class Lens:
 
     def _read(self, spec: str, emitted: dict[str, Any], sweep: Any) -> Any:
         """What a read of `spec` returns: its site's value, at the iterations it picks."""
-        picked = self._pick(spec)
+        picked = self._sites.pick(spec)
         index = tuple(slice(None) if k is None else k for k in picked.rows)
         stacked = emitted[picked.site.name]
         if not index:
@@ -479,19 +368,6 @@ def _swept(run: Any, arrays: list[Any], batch_size: int) -> Any:
         return run([(v, m, r) for (v, m), r in zip(given, rows, strict=True)])
 
     return jax.lax.map(one, [(v, m) for v, m, _ in arrays], batch_size=batch_size)
-
-
-def _every_site(seen: dict[Selection, Any]) -> list[str]:
-    """Every call's output the hooks see, loops included (every iteration, ``[:]``)."""
-    return [where.name for where in seen if where.side == OUTPUT]
-
-
-def _site_specs(sites: Any) -> list[str]:
-    if isinstance(sites, str):
-        return [sites]
-    if not isinstance(sites, Sequence) or not all(isinstance(s, str) for s in sites):
-        raise LensSitesSpecError(spec=sites, reason="sites takes None or a list of names")
-    return list(sites)
 
 
 def lens(target: Any, *args: Any, sites: Any = None, **kwargs: Any) -> Lens:

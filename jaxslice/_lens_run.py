@@ -115,11 +115,6 @@ def placed(
     return here
 
 
-def counted(where: Selection) -> bool:
-    """Whether every loop around `where` is a scan (whose iterations can be stacked)."""
-    return all(s.length is not None for s in where.sites) and not where.whole
-
-
 def first_row(first: dict[int, Any], where: Selection, rows: tuple[Any, ...]) -> None:
     """Notes, per outermost scan, the first iteration something happens in (`rows`: the
     iteration picked in each loop around `where`, None for all of them)."""

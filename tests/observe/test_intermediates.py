@@ -217,3 +217,18 @@ def test_nnx_model_against_eager_submodules():
     model.stem.bias[...] = model.stem.bias[...] + 1.0
     again = js.intermediates(model, x, names=["blocks/0:input"])
     assert_trees_all_close(again["blocks/0:input"], model.stem(x))
+
+
+def test_every_value_follows_the_variables_given():
+    """``names="all"`` twice on one model with other variables of the same shapes: each
+    call's values are its own variables' (Flax's ``capture_intermediates``)."""
+    model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+    x = jnp.linspace(-1.0, 1.0, 15).reshape(3, 5)
+    for seed in (0, 1):
+        variables = model.init(jax.random.key(seed), x)
+        got = js.intermediates(model, variables, x, names="all")
+        _, state = model.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
+        captured = state["intermediates"]
+        assert list(got) == ["layers_0", "layers_2"]
+        for name in got:
+            np.testing.assert_allclose(got[name], captured[name]["__call__"][0], atol=1e-6)

@@ -1,0 +1,186 @@
+"""Where a `js.lens` acts: its sites, made once from names, and the names a call gives.
+
+A site is one array leaf of one call side (every iteration of the scans around it), found
+from a name once, when the lens is made: ``layers[:]/attn`` (a call's output),
+``block:input`` (its input), ``name#k`` (leaf k of the value there; the first array leaf
+without ``#k``). A name given at call time is resolved once too (`Sites.pick`): a site,
+or one iteration of a site inside a scan (``layers[3]``), kept as the site and the
+iterations it picks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _compat
+from ._core.markers import OUTPUT
+from ._core.names import STACKED
+from ._core.selection import Name, Resolver, Selection
+from ._errors import (
+    BoundaryInLoopError,
+    LensLeafError,
+    LensNotASiteError,
+    LensSitesSpecError,
+    SliceError,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One array value the lens can change or read.
+
+    Attributes:
+      name: its every-iteration name (``layers[:]/attn``, ``head``, ``block:input#1``).
+      where: the record of the call side (`Selection`, every iteration inside loops).
+      leaf: which array leaf of the value there.
+      value: the leaf's shape and dtype in one iteration.
+      lengths: the lengths of the scans around it, outermost first (a leading axis each
+        in stacked values); empty outside loops.
+    """
+
+    name: str
+    where: Selection
+    leaf: int
+    value: jax.ShapeDtypeStruct
+    lengths: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        shape = ", ".join(map(str, self.stacked.shape))
+        return f"Site({self.name!r}, {self.value.dtype}[{shape}])"
+
+    @property
+    def stacked(self) -> jax.ShapeDtypeStruct:
+        """Every iteration's value, stacked (what a read of `name` returns)."""
+        return jax.ShapeDtypeStruct((*self.lengths, *self.value.shape), self.value.dtype)
+
+
+class Picked:
+    """Where a name given at call time acts: its site, and the iteration in each loop
+    around it (None: every iteration)."""
+
+    __slots__ = ("site", "rows", "indices")
+
+    def __init__(self, site: Site, rows: tuple[int | None, ...]):
+        self.site, self.rows = site, rows
+        # the iterations picked, as the arrays a call passes (made once per name)
+        self.indices = [jnp.int32(k) for k in rows if k is not None]
+
+
+class Sites:
+    """A lens's sites (`by_name`, in call order) and the names given to it, resolved.
+
+    Args:
+      resolver: the resolver of the graph the lens was made from.
+      specs: the names of the sites (None: every call's output the hooks see).
+      seen: the array leaves the hooks see at each call side (`_lens_run.probe`).
+    """
+
+    def __init__(self, resolver: Resolver, specs: Any, seen: dict[Selection, list[Any]]):
+        self.resolver = resolver
+        explicit = specs is not None
+        if explicit:
+            specs = _site_specs(specs)
+        else:
+            specs = [where.name for where in seen if where.side == OUTPUT]
+        self.by_name: dict[str, Site] = {}
+        for spec in specs:
+            site = self._site(spec, explicit, seen)
+            if site is not None:
+                self.by_name.setdefault(site.name, site)
+        self.by_where = {(s.where, s.leaf): s for s in self.by_name.values()}
+        self.picked: dict[str, Picked] = {}
+
+    def _site(self, spec: str, explicit: bool, seen: dict[Selection, Any]) -> Site | None:
+        """The site `spec` names; None for one the hooks cannot reach, unless the user
+        named it (`explicit`: then an error says why)."""
+        base, leaf = _split_leaf(spec)
+        try:
+            where = self.resolver.select(Name.of(base), OUTPUT, uncounted=True)
+        except BoundaryInLoopError:
+            reason = (
+                "it is called in a branch of a cond (or a loop) that the lens cannot reach; "
+                "name a call around it"
+            )
+            raise LensSitesSpecError(spec=spec, reason=reason) from None
+        if any(k != STACKED for k in where.path):
+            raise LensSitesSpecError(
+                spec=spec, reason="a site names every iteration of a loop ([:])"
+            )
+        leaves = seen.get(where)
+        stacks = counted(where)
+        if not stacks or not leaves:
+            if not explicit:
+                return None
+            reason = (
+                "only loops with a fixed number of iterations (scans) have sites"
+                if not stacks
+                else "the model computes no array there that hooks can see (a call in a "
+                "branch of a cond, or one without array values)"
+            )
+            raise LensSitesSpecError(spec=spec, reason=reason)
+        k = 0 if leaf is None else leaf
+        if k >= len(leaves):
+            raise LensLeafError(spec=spec, reason=f"the value there has {len(leaves)} array leaves")
+        shown = where.name if where.side == OUTPUT else f"{where.name}:input"
+        if leaf is not None:
+            shown = f"{shown}#{leaf}"
+        return Site(shown, where, k, leaves[k], where.lengths)
+
+    def pick(self, spec: Any) -> Picked:
+        """The site and iterations a name given at call time picks (resolved once)."""
+        found = self.picked.get(spec)
+        if found is not None:
+            return found
+        if not isinstance(spec, str):
+            raise LensNotASiteError(spec=spec, why="not a string.", sites=self.listed())
+        base, leaf = _split_leaf(spec)
+        try:
+            where = self.resolver.select(Name.of(base), OUTPUT)
+        except SliceError as error:
+            why = str(error).split("\n")[0].rstrip()
+            why = why if why.endswith((".", "?", "!")) else f"{why}."
+            raise LensNotASiteError(spec=spec, why=why, sites=self.listed()) from None
+        site = self.by_where.get((where.every(), 0 if leaf is None else leaf))
+        if site is None:
+            why = "a boundary the lens was not made with."
+            raise LensNotASiteError(spec=spec, why=why, sites=self.listed())
+        rows = tuple(None if k == STACKED else int(k) for k in where.path)
+        found = self.picked[spec] = Picked(site, rows)
+        return found
+
+    def listed(self) -> str:
+        """The sites' names, for messages (the first 12)."""
+        names = list(self.by_name)
+        shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+        return shown or "(none)"
+
+
+def counted(where: Selection) -> bool:
+    """Whether every loop around `where` is a scan (whose iterations can be stacked)."""
+    return all(s.length is not None for s in where.sites) and not where.whole
+
+
+def _split_leaf(spec: str) -> tuple[str, int | None]:
+    """``name#k`` split into the name and k (None without ``#k``)."""
+    base, hash_, leaf = spec.rpartition("#")
+    if not hash_:
+        return spec, None
+    if not leaf.isdigit():
+        raise LensLeafError(spec=spec, reason="the part after '#' must be a leaf number")
+    return base, int(leaf)
+
+
+def _site_specs(sites: Any) -> list[str]:
+    if isinstance(sites, str):
+        return [sites]
+    if not isinstance(sites, Sequence) or not all(isinstance(s, str) for s in sites):
+        raise LensSitesSpecError(spec=sites, reason="sites takes None or a list of names")
+    return list(sites)
+
+
+_compat.register_frames_exclusion(__file__)
