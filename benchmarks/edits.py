@@ -15,6 +15,8 @@ against the same edit written by hand before anything is timed.
 * 22: first run (build, trace, compile, call) of a `js.Interpreter` that keeps every
   block's output, of `ActivationStats` and of a coverage `Tracker` on per-iteration
   names / the model's own first jitted call; every repetition starts from cleared caches.
+  22d is what a new user of `ActivationStats` waits for: construction, the first update
+  and `result()`.
 """
 
 from __future__ import annotations
@@ -159,6 +161,10 @@ def run(cfg: Config, log: Log) -> dict[str, Any]:
         s = ActivationStats(model, v, x, names=["layers[:]/down"])
         return lambda: s.update(x)
 
+    def stats_result() -> Callable[[], Any]:
+        s = js.ActivationStats(model, v, x, names=["layers[:]/down"])
+        return lambda: (s.update(x), s.result())[1]
+
     def tracker() -> Callable[[], Any]:
         t = js.coverage.Tracker(model, v, x, layers=["layers[:]/down"], criteria=[js.coverage.NC()])
         return lambda: t.update(x)
@@ -167,6 +173,7 @@ def run(cfg: Config, log: Log) -> dict[str, Any]:
         ("22. first js.Interpreter run", lambda: lambda: Record().build(model, v, x)(v, x)),
         ("22b. first ActivationStats update (layers[:]/down)", stats),
         ("22c. first coverage Tracker update (layers[:]/down)", tracker),
+        ("22d. new ActivationStats: construction, first update, result()", stats_result),
     )
     for label, make in observers:
         res = paired(_first_call(make), reference, cfg.reps, count_calls=False)

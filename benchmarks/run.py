@@ -42,6 +42,7 @@ Groups (``--only``), each a module here:
            21. a vmapped sweep of 64 call-time patches / 64 separate calls        <= 0.3
            22. first run of a js.Interpreter (b: ActivationStats, c: Tracker) on
                per-iteration names / the model's first jitted call                 <= 1.5
+               (d: a new ActivationStats: construction, first update, result())
   coverage Sun et al.'s pair criteria on the digits CNN of examples/coverage_digits.py
            (see `coverage_pairs`):
            23. js.coverage.generate's inputs / as many random perturbations of the same
@@ -64,6 +65,9 @@ Groups (``--only``), each a module here:
            32. attribution at every layer (one grad) / grad w.r.t. the input       <= 1.1
            33. lines a user writes: steering at one layer; a patching sweep        1; <= 6
            34. first feature map in a fresh process / jax.jit hand-written         <= 1.05
+  cache    JAX's persistent compilation cache (see `cache`): a second process's first
+           call / the first process's, every compile a cache hit (exact):
+           35a-d. a slice, an edited model, js.intermediates, a lens
 
 Only the public API of jaxslice is used. The exit status is 1 when a retrace count (exact)
 misses its target or a slice computes a wrong result, and, with ``--strict``, when any

@@ -25,7 +25,15 @@ import pytest
 import jaxslice as js
 
 from helpers.coverage_reference import assert_result, nc_values, neurons
-from helpers.models import CoverageCNN, CoverageMLP, TinyResNet
+from helpers.models import (
+    SCAN_LAYERS,
+    CoverageCNN,
+    CoverageMLP,
+    ScannedModel,
+    ScanUnrolled,
+    TinyResNet,
+    scan_unrolled_params,
+)
 from helpers.oracles import captured, count_compiles, random_variables
 
 C = js.coverage
@@ -767,3 +775,36 @@ def test_scalar_layer_is_refused_by_name():
 
     with pytest.raises(js.SliceError, match="'total'"):
         C.Tracker(f, jnp.ones(()), jnp.ones((2, 3)), criteria=[C.NC(0.5)], layers=["total"])
+
+
+# =========================================================================== stacked layers
+
+
+def test_stacked_layers_match_the_unrolled_twin():
+    """``layers[:]/attn`` and ``layers[:]/mlp`` of a scanned stack (their iterations
+    interleaved in call order), with a profile, every per-layer criterion (updated over a
+    stack's iterations at once) and SignSign (which pairs neighbouring iterations): the
+    reference's figures for the same layers of the unrolled twin, over two batches, the
+    second padded."""
+    model = ScannedModel()
+    x = rand(30, (16, 4), 1.5, offset=0.5)
+    variables = random_variables(model, x[:2], seed=3)
+    cap = captured(ScanUnrolled(), scan_unrolled_params(variables), x)
+    crits = ALL6()
+    t = C.Tracker(
+        model, variables, x[:2], criteria=crits, layers=["layers[:]/mlp", "layers[:]/attn"]
+    )
+    iterations = [(k, m) for k in range(SCAN_LAYERS) for m in ("attn", "mlp")]
+    assert t.layers == [f"layers[{k}]/{m}" for k, m in iterations]
+    t.profile([x[:8]])
+    t.update(x[8:13])
+    t.update(x[13:])  # padded to 5 rows
+    twin = {f"layers[{k}]/{m}": np.asarray(cap[f"layers_{k}/{m}"][0]) for k, m in iterations}
+    prof, test = {n: v[:8] for n, v in twin.items()}, {n: v[8:] for n, v in twin.items()}
+    expected = reference(crits, t.layers, prof, test)
+    not_trivial(expected, ["NC", "KMNC", "NBC", "SNAC", "TKNC"])
+    assert_result(t.result(), expected)
+    low = np.stack([neurons(prof[n], "channel").min(0) for n in t.layers])
+    stats = t.profile_stats
+    assert list(stats) == t.layers
+    np.testing.assert_array_equal(np.stack([stats[n]["low"] for n in t.layers]), low)
