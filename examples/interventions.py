@@ -34,11 +34,10 @@ import optax
 from tqdm import tqdm
 from transformer_layers import (
     FINETUNE_MODULE,
-    PRETRAIN_MODULES,
-    CharLM,
     Config,
     fit,
     next_byte_loss,
+    pretrained,
     random_windows,
     source_bytes,
     windows,
@@ -85,13 +84,8 @@ def main(argv=None) -> None:
     cfg = Config()
     T, L, d = cfg.context, cfg.n_layers, cfg.d_model
 
-    data = source_bytes(PRETRAIN_MODULES)
-    train, held_out = data[: int(0.9 * len(data))], data[int(0.9 * len(data)) :]
-    x_eval, y_eval = windows(held_out, np.linspace(0, len(held_out) - T - 2, 32).astype(int), T)
-    model = CharLM(cfg)
-    variables = jax.jit(model.init)(jax.random.key(args.seed), x_eval[:1])
-    variables, first, last = fit(
-        model.apply, variables, lambda: random_windows(train, 32, T, rng), steps, 3e-3, "train"
+    model, variables, train, (x_eval, y_eval), (first, last) = pretrained(
+        cfg, steps, args.seed, rng
     )
     predict = jax.jit(model.apply)
     clean_loss = float(next_byte_loss(predict(variables, x_eval), y_eval))

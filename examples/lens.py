@@ -40,15 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from transformer_layers import (
-    PRETRAIN_MODULES,
     Block,
-    CharLM,
     Config,
     Head,
-    fit,
     next_byte_loss,
-    random_windows,
-    source_bytes,
+    pretrained,
     windows,
 )
 
@@ -177,13 +173,8 @@ def main(argv=None) -> None:
     cfg = Config()
     T, L = cfg.context, cfg.n_layers
 
-    data = source_bytes(PRETRAIN_MODULES)
-    train, held_out = data[: int(0.9 * len(data))], data[int(0.9 * len(data)) :]
-    x_eval, y_eval = windows(held_out, np.linspace(0, len(held_out) - T - 2, 32).astype(int), T)
-    model = CharLM(cfg)
-    variables = jax.jit(model.init)(jax.random.key(args.seed), x_eval[:1])
-    variables, first, last = fit(
-        model.apply, variables, lambda: random_windows(train, 32, T, rng), steps, 3e-3, "train"
+    model, variables, train, (x_eval, y_eval), (first, last) = pretrained(
+        cfg, steps, args.seed, rng
     )
     logits_eval = jax.jit(model.apply)(variables, x_eval)
     model_loss = float(next_byte_loss(logits_eval, y_eval))

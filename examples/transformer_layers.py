@@ -224,6 +224,22 @@ def fit(apply_fn, variables, batches, steps: int, lr: float, desc: str):
     return variables, float(np.mean(losses[:5])), float(np.mean(losses[-5:]))
 
 
+def pretrained(cfg: Config, steps: int, seed: int, rng: np.random.Generator):
+    """A `CharLM` trained `steps` steps on the source of `PRETRAIN_MODULES` (the first 90%
+    of it). Returns (model, variables, training bytes, held-out (x, y) windows, (first,
+    last loss))."""
+    t = cfg.context
+    data = source_bytes(PRETRAIN_MODULES)
+    train, held_out = data[: int(0.9 * len(data))], data[int(0.9 * len(data)) :]
+    x_eval, y_eval = windows(held_out, np.linspace(0, len(held_out) - t - 2, 32).astype(int), t)
+    model = CharLM(cfg)
+    variables = jax.jit(model.init)(jax.random.key(seed), x_eval[:1])
+    variables, first, last = fit(
+        model.apply, variables, lambda: random_windows(train, 32, t, rng), steps, 3e-3, "train"
+    )
+    return model, variables, train, (x_eval, y_eval), (first, last)
+
+
 # One loss per layer, for logits stacked on a leading layer axis (the logit lens).
 per_layer_loss = jax.jit(jax.vmap(next_byte_loss, in_axes=(0, None)))
 
