@@ -239,8 +239,10 @@ class Lens:
         mutable = program.base.traced.split.mutable
         entry, leaves = program.lookup(tuple(inputs), kwargs, self._rngs, mutable)
         values, rng_leaves = self._values_of(entry, variables)
-        sites = self._sites_at(entry, (values, rng_leaves))
-        statics, arrays = self._normalised(given, sites, sweep)
+        statics, arrays = (), []
+        if any(v is not None for v in given.values()):  # checked against this entry's shapes
+            sites = self._sites_at(entry, (values, rng_leaves))
+            statics, arrays = self._normalised(given, sites, sweep)
         run = entry.__dict__.get("lens_run")
         if run is None:  # one jitted function per traced entry (input signature)
             run = functools.partial(self._evaluate, entry)
