@@ -48,6 +48,8 @@ Groups (``--only``), each a module here:
            23. js.coverage.generate's inputs / as many random perturbations of the same
                seeds in the same L-inf budget: pairs each adds to the test split's
                (SignSign; ValueSign)                                              >= 2
+               (v: ValueSign inputs found / searches, against 5x the rate before
+               `generate` planned by reach)                                        >= 5x
            24. update + result() of the four pair criteria at batch 64, test split seen
                / the jitted forward at batch 64                                   <= 3
            25. peak memory of a 512 x 512 layer-pair update at batch 64 (capacity 4096,

@@ -117,6 +117,14 @@ class Criterion:
     #: which of those layers (0, 1) have a neuron that must change sign
     sign_changes: tuple[int, ...] = ()
 
+    def moves(self, a: Any, layer: int) -> list[Any]:
+        """The changes (each like `a`, signed) any one of which gives neuron values `a`
+        of the span's `layer` (0 or 1) the change a requirement asks of them; `generate`
+        tries first the requirements whose moves are smallest against how far the
+        seed's neurons can move. None planned: []. By default a sign change for the
+        layers in `sign_changes`: `-a`, to 0."""
+        return [-a] if layer in self.sign_changes else []
+
     def open_requirements(self, state: Any) -> list[tuple[int, int, int]]:
         """(group, n1, n2) of every requirement `state` has not covered yet.
 

@@ -1,8 +1,9 @@
 """`js.coverage.generate`: inputs near seeds that cover what a tracker has not seen covered.
 
 Seeds get up to four requirements the tracker has not seen covered (pairs (n1, n2) of
-adjacent layers for the Sun et al. criteria, neurons for NC), the most promising first.
-For each (seed, requirement) the compiled search of `_search` looks for an input within
+adjacent layers for the Sun et al. criteria, neurons for NC), the most promising first:
+those whose neurons need the smallest changes against how far the seed can move them
+(`_seed_reach`, `_scores`). For each (seed, requirement) the compiled search of `_search` looks for an input within
 L∞ distance `eps` of the seed (and inside `bounds`) that covers it together with the
 seed, a chunk of searches at once. Every input is then checked once more with the
 criterion's own definition, on the values the tracker itself computes, before it is
@@ -12,6 +13,7 @@ returned.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +41,8 @@ from ._search import make_search, values_of
 _CHUNK = 64  # searches per run of the compiled search
 _TRIES = 4  # searches per seed, each for another requirement
 _SAMPLED = 8192  # the most requirements considered per call
+_EXACT = 64  # up to this many neurons, the plan measures each one's reach exactly
+_PROJECTIONS = 64  # beyond, it estimates them from this many random projections
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -84,12 +88,16 @@ def generate(
 ) -> Generated:
     """Inputs within `eps` of `seeds` that cover requirements `tracker` has not seen covered.
 
-    Each seed gets up to four uncovered requirements of `criterion`, the ones whose sign
-    changes need the smallest moves from it first (a requirement is tried from several
-    seeds only once every one has been tried), and for each a projected gradient search
-    of `steps` signed steps of size ``2.5 * eps / steps`` from the seed, kept within L∞
-    distance `eps` of it and inside `bounds`. A pair requirement is covered by
-    the pair (seed, new input), so the seeds should be inputs the tracker has seen:
+    Each seed gets up to four uncovered requirements of `criterion`, from the eight it
+    can reach most easily: how far each neuron can move from the seed inside the budget,
+    to first order, is measured before searching (exactly for up to 64 neurons, one
+    backward pass each; beyond, estimated from 64 random forward-mode projections), and
+    the requirements whose changes are smallest against it come first. A requirement is
+    tried from several seeds only once every one planned has been tried. Each search
+    takes `steps` signed gradient steps from the seed, of size ``5 * eps / steps``
+    falling linearly to ``0.2 * eps / steps``, kept within L∞ distance `eps` of it and
+    inside `bounds`. A pair requirement is covered by the pair (seed, new input), so the
+    seeds should be inputs the tracker has seen:
     ``tracker.update(result.inputs)`` then raises its coverage.
 
     Args:
@@ -103,7 +111,9 @@ def generate(
       bounds: ``(low, high)`` every input value stays within (numbers or arrays that
         broadcast to one input), e.g. ``(0.0, 1.0)`` for images; None for none.
       max_inputs: the most inputs returned (None: as many as are found).
-      key: a `jax.random` key or an int, for picking requirements (default 0).
+      key: a `jax.random` key or an int (default 0): it breaks ties between equally
+        promising requirements (all of NC's), picks the 8,192 considered when more are
+        open and draws the projections that estimate the reach of many neurons.
 
     Returns:
       A `Generated`, each input checked with the criterion's definition against its seed
@@ -138,7 +148,10 @@ def generate(
     low, high = _bounds(bounds, leaves, moving)
 
     rng = np.random.default_rng(_seed_of(key))
-    plan = _plan(tracker, crit, seeds, count, requirements, rng) if requirements else []
+    plan = []
+    if requirements:
+        values, reach = _seed_reach(tracker, seeds, leaves, moving, (eps, low, high), rng)
+        plan = _plan(crit, count, requirements, rng, values, reach)
 
     size = min(_CHUNK, len(plan))  # one compiled search per criterion and layer (pair)
     found_rows: list[tuple[int, tuple[Any, ...], list[np.ndarray]]] = []
@@ -231,27 +244,88 @@ def _seed_of(key: Any) -> Any:
         raise KeySpecError(key=key) from None
 
 
-def _seed_values(tracker: Any, seeds: Any) -> list[np.ndarray]:
-    """The neuron values of every layer for the seeds, as the tracker computes them
-    (before NC's scaling)."""
+def _seed_reach(tracker, seeds, leaves, moving, budget, rng) -> tuple[list[Any], Any]:
+    """Per layer, (seeds, neurons) arrays: the neuron values for the seeds and how far
+    each can move from each seed inside the budget, to first order: ``(values, (up,
+    down))``, the largest rise and the largest fall (<= 0) of its value over the box of
+    moves allowed (L∞ `eps`, inside the bounds). Where the tracker observes activations,
+    these are of the values before the activation, whose sign the activation keeps and
+    whose gradient does not vanish where a ReLU is off.
+
+    For a neuron with gradient J over the box [lo, hi], the rise is J·c + Σ|J|·h and
+    the fall J·c - Σ|J|·h (c the box's centre, h its half-widths). J·c is one
+    forward-mode product; Σ|J|·h is exact for up to `_EXACT` neurons (one backward
+    pass of the seeds per neuron), and beyond that estimated from `_PROJECTIONS`
+    forward-mode products along h·u, u standard Cauchy: each gives every neuron a
+    Cauchy value of scale Σ|J|·h, the median of whose magnitude is that scale (within
+    about 20%), at a cost that does not grow with the neurons."""
+    eps, low, high = budget
+    centres, halves = [], []  # per moving leaf, the centre and half-width of its box
+    for x, m in zip(leaves, moving, strict=True):
+        if m:
+            lo, hi = np.maximum(-eps, low - x), np.minimum(eps, high - x)
+            centres.append(((lo + hi) / 2).astype(x.dtype))
+            halves.append(((hi - lo) / 2).astype(x.dtype))
+    exact = sum(tracker.sizes) <= _EXACT
+    seed = rng.integers(2**31 - 1, dtype=np.int32)
 
     def make(layer_outputs: Any) -> Any:
-        return lambda v, r, x: [neurons(o, tracker.granularity) for o in layer_outputs(v, r, x)]
+        def step(v, r, x, centres, halves, seed):
+            def flat(xf: list[Any]) -> Any:
+                it = iter(xf)
+                inputs = [next(it) if m else a for a, m in zip(x, moving, strict=True)]
+                outs, raws = layer_outputs(v, r, inputs)
+                picked = outs if raws is None else raws
+                return jnp.concatenate([neurons(o, tracker.granularity) for o in picked], 1)
 
-    return [np.asarray(v) for v in tracker.run_layers(("generate-values",), seeds, make)]
+            movable = [a for a, m in zip(x, moving, strict=True) if m]
+            values, shift = jax.jvp(flat, (movable,), (centres,))
+            if exact:
+                _, pullback = jax.vjp(flat, movable)
+
+                def spread(column: Any) -> Any:
+                    # Rows are independent inputs: one cotangent gives every seed's gradient.
+                    grads = pullback(jnp.broadcast_to(column, values.shape))[0]
+                    total = [jnp.abs(g) * h for g, h in zip(grads, halves, strict=True)]
+                    return sum(jnp.sum(t.reshape(len(t), -1), axis=1) for t in total)
+
+                width = jax.lax.map(spread, jnp.eye(values.shape[1], dtype=values.dtype)).T
+            else:
+
+                def spread(key: Any) -> Any:
+                    keys = jax.random.split(key, len(movable))
+                    along = [
+                        h * jax.random.cauchy(k, h.shape, h.dtype)
+                        for k, h in zip(keys, halves, strict=True)
+                    ]
+                    return jnp.abs(jax.jvp(flat, (movable,), (along,))[1])
+
+                keys = jax.random.split(jax.random.key(seed), _PROJECTIONS)
+                width = jnp.median(jax.lax.map(spread, keys), axis=0)
+            cut = lambda a: jnp.split(a, np.cumsum(tracker.sizes)[:-1], axis=1)  # noqa: E731
+            return cut(values), (cut(shift + width), cut(shift - width))
+
+        return step
+
+    run_key = ("generate-reach", exact)
+    values, (up, down) = tracker.run_layers(
+        run_key, seeds, make, centres, halves, seed, before=True
+    )
+    as_numpy = lambda arrays: [np.asarray(a) for a in arrays]  # noqa: E731
+    return as_numpy(values), (as_numpy(up), as_numpy(down))
 
 
-def _plan(tracker, crit, seeds, count, requirements, rng) -> list[tuple[int, Any]]:
+def _plan(crit, count, requirements, rng, values, reach) -> list[tuple[int, Any]]:
     """(seed, requirement) searches, up to `_TRIES` per seed, the most promising first: a
-    requirement whose sign changes need the smallest moves from that seed (a neuron
-    near 0, relative to its layer's values), ties (and NC's requirements) in random
-    order. Each round tries a requirement once; with fewer requirements than searches,
-    later rounds try them again from other seeds."""
+    requirement whose neurons need the smallest moves from that seed, against how far
+    they can move (`_scores`), ties (and NC's requirements) in random order. Each round
+    tries a requirement once; with fewer requirements than searches, later rounds try
+    them again from other seeds."""
     reqs = np.array(requirements)
     if len(reqs) > _SAMPLED:  # a random subset keeps the (seeds x requirements) table small
         reqs = reqs[rng.choice(len(reqs), _SAMPLED, replace=False)]
-    score = _scores(crit, _seed_values(tracker, seeds), reqs, rng)
-    best = min(len(reqs), 4 * _TRIES)  # each seed's most promising requirements
+    score = _scores(crit, values, reach, reqs, rng)
+    best = min(len(reqs), 2 * _TRIES)  # each seed's most promising requirements
     cols = np.argpartition(score, best - 1, axis=1)[:, :best]
     cand = sorted(
         (score[s, r], s, int(r)) for s in range(count) for r in cols[s]
@@ -271,20 +345,27 @@ def _plan(tracker, crit, seeds, count, requirements, rng) -> list[tuple[int, Any
     return plan
 
 
-def _scores(crit: Any, values: list[np.ndarray], reqs: np.ndarray, rng: Any) -> np.ndarray:
-    """(seeds, requirements): how far, relative to its layer's values, each neuron that
-    must change sign is from 0 for each seed, summed (lower is more promising), plus a
-    little noise that breaks ties at random."""
+def _scores(crit, values, reach, reqs, rng) -> np.ndarray:
+    """(seeds, requirements), lower is more promising: for each neuron the requirement
+    asks to change (`Criterion.moves`), its smallest move over how far it can move that
+    way from the seed, to first order within the budget (`_seed_reach`), summed over
+    the neurons; a move of 1 or more is out of reach to first order. A little noise
+    breaks ties at random."""
     score = rng.uniform(0, 1e-3, size=(len(values[0]), len(reqs)))
-    scale = [np.mean(np.abs(v), axis=1, keepdims=True) + 1e-6 for v in values]
-    group, n1, n2 = reqs[:, 0], reqs[:, 1], reqs[:, 2]
-    for layer, n in ((0, n1), (1, n2)):
-        if layer not in crit.sign_changes:
-            continue
-        at = group + layer
+    group, picked = reqs[:, 0], (reqs[:, 1], reqs[:, 2])
+    for layer in range(crit.span):
+        at, n = group + layer, picked[layer]
         for k in np.unique(at):
             cols = np.flatnonzero(at == k)
-            score[:, cols] += np.abs(values[k][:, n[cols]]) / scale[k]
+            moves = crit.moves(values[k][:, n[cols]], layer)
+            if not moves:
+                continue
+            up, down = reach[0][k][:, n[cols]], reach[1][k][:, n[cols]]
+            tiny = 1e-6 * (np.mean(np.abs(values[k]), axis=1, keepdims=True) + 1e-6)
+            # A move of 0 still needs some room to move; no room at all ranks last.
+            far = [(np.abs(m) + tiny) / np.maximum(np.where(m > 0, up, -down), 1e-30)
+                   for m in moves]  # fmt: skip
+            score[:, cols] += functools.reduce(np.minimum, far)
     return score
 
 

@@ -123,6 +123,12 @@ class PairCriterion(Criterion):
     def sign_changes(self) -> tuple[int, ...]:  # type: ignore[override]
         return tuple(k for k, kind in enumerate((self.first, self.second)) if kind == SIGN)
 
+    def moves(self, a, layer):
+        """A sign change: to 0 (`-a`); a value change: shrinking to a/ratio or growing to
+        ratio·a, same sign."""
+        kind, ratio = self.condition(("first", "second")[layer])
+        return [-a] if kind == SIGN else [-(1 - 1 / ratio) * a, (ratio - 1) * a]
+
     def open_requirements(self, state):
         return [
             (group, int(n1), int(n2))

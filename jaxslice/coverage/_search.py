@@ -59,14 +59,14 @@ def make_search(tracker: Any, crit: Any, group: int, moving: list[bool]) -> Any:
                 now, before = values(v, r, inputs(xf))
                 return jnp.sum(crit.search_loss(start, now, before, n1, n2)), now
 
-            size = 2.5 * eps / steps
-
-            def body(_, carry):
+            def body(i, carry):
                 xf, best, done = carry
                 (_, now), grads = jax.value_and_grad(loss, has_aux=True)(xf)
                 new = ~done & crit.holds(start, now, n1, n2)
                 best = [_where(new, x, b) for x, b in zip(xf, best, strict=True)]
                 done = done | new
+                # Long steps first, then short ones: 5·eps/steps falling to eps/(5·steps).
+                size = eps / steps * (5 * (1 - i / steps) + 0.2)
                 moved = [
                     _project(x - size * jnp.sign(g), x_0, eps, low, high)
                     for x, g, x_0 in zip(xf, grads, movable, strict=True)
