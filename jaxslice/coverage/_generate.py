@@ -3,11 +3,11 @@
 Seeds get up to four requirements the tracker has not seen covered (pairs (n1, n2) of
 adjacent layers for the Sun et al. criteria, neurons for NC), the most promising first:
 those whose neurons need the smallest changes against how far the seed can move them
-(`_seed_reach`, `_scores`). For each (seed, requirement) the compiled search of `_search` looks for an input within
-L∞ distance `eps` of the seed (and inside `bounds`) that covers it together with the
-seed, a chunk of searches at once. Every input is then checked once more with the
-criterion's own definition, on the values the tracker itself computes, before it is
-returned.
+(`_seed_reach`, `_scores`). For each (seed, requirement) the compiled search of
+`_search` looks for an input within L∞ distance `eps` of the seed (and inside `bounds`)
+that covers it together with the seed, a chunk of searches at once. Every input is then
+checked once more with the criterion's own definition, on the values the tracker itself
+computes, before it is returned.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .._errors import (
 )
 from ..observe import neurons
 from ._criteria import Criterion
-from ._search import make_search, values_of
+from ._search import make_search, moving_parts, values_of
 
 _CHUNK = 64  # searches per run of the compiled search
 _TRIES = 4  # searches per seed, each for another requirement
@@ -253,12 +253,12 @@ def _seed_reach(tracker, seeds, leaves, moving, budget, rng) -> tuple[list[Any],
     whose gradient does not vanish where a ReLU is off.
 
     For a neuron with gradient J over the box [lo, hi], the rise is J·c + Σ|J|·h and
-    the fall J·c - Σ|J|·h (c the box's centre, h its half-widths). J·c is one
-    forward-mode product; Σ|J|·h is exact for up to `_EXACT` neurons (one backward
-    pass of the seeds per neuron), and beyond that estimated from `_PROJECTIONS`
-    forward-mode products along h·u, u standard Cauchy: each gives every neuron a
-    Cauchy value of scale Σ|J|·h, the median of whose magnitude is that scale (within
-    about 20%), at a cost that does not grow with the neurons."""
+    the fall J·c - Σ|J|·h (c the box's centre, h its half-widths). For up to `_EXACT`
+    neurons both are exact (one backward pass of the seeds per neuron); beyond, J·c is
+    one forward-mode product and Σ|J|·h is estimated from `_PROJECTIONS` forward-mode
+    products along h·u, u standard Cauchy: each gives every neuron a Cauchy value of
+    scale Σ|J|·h, the median of whose magnitude is that scale (within about 20%), at a
+    cost that does not grow with the neurons."""
     eps, low, high = budget
     centres, halves = [], []  # per moving leaf, the centre and half-width of its box
     for x, m in zip(leaves, moving, strict=True):
@@ -271,26 +271,30 @@ def _seed_reach(tracker, seeds, leaves, moving, budget, rng) -> tuple[list[Any],
 
     def make(layer_outputs: Any) -> Any:
         def step(v, r, x, centres, halves, seed):
+            movable, inputs = moving_parts(x, moving)
+
             def flat(xf: list[Any]) -> Any:
-                it = iter(xf)
-                inputs = [next(it) if m else a for a, m in zip(x, moving, strict=True)]
-                outs, raws = layer_outputs(v, r, inputs)
+                outs, raws = layer_outputs(v, r, inputs(xf))
                 picked = outs if raws is None else raws
                 return jnp.concatenate([neurons(o, tracker.granularity) for o in picked], 1)
 
-            movable = [a for a, m in zip(x, moving, strict=True) if m]
-            values, shift = jax.jvp(flat, (movable,), (centres,))
-            if exact:
-                _, pullback = jax.vjp(flat, movable)
+            def per_seed(parts: list[Any]) -> Any:
+                return sum(jnp.sum(t.reshape(len(t), -1), axis=1) for t in parts)
 
-                def spread(column: Any) -> Any:
+            if exact:
+                values, pullback = jax.vjp(flat, movable)
+
+                def along(column: Any) -> tuple[Any, Any]:
                     # Rows are independent inputs: one cotangent gives every seed's gradient.
                     grads = pullback(jnp.broadcast_to(column, values.shape))[0]
-                    total = [jnp.abs(g) * h for g, h in zip(grads, halves, strict=True)]
-                    return sum(jnp.sum(t.reshape(len(t), -1), axis=1) for t in total)
+                    shift = per_seed([g * c for g, c in zip(grads, centres, strict=True)])
+                    width = per_seed([jnp.abs(g) * h for g, h in zip(grads, halves, strict=True)])
+                    return shift, width
 
-                width = jax.lax.map(spread, jnp.eye(values.shape[1], dtype=values.dtype)).T
+                eye = jnp.eye(values.shape[1], dtype=values.dtype)
+                shift, width = (a.T for a in jax.lax.map(along, eye))
             else:
+                values, shift = jax.jvp(flat, (movable,), (centres,))
 
                 def spread(key: Any) -> Any:
                     keys = jax.random.split(key, len(movable))

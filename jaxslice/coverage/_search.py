@@ -41,6 +41,18 @@ def values_of(tracker: Any, layer_outputs: Any, crit: Any, group: int, before: b
     return values
 
 
+def moving_parts(x: Any, moving: list[bool]) -> tuple[list[Any], Any]:
+    """The input leaves `x` the search moves (`moving` marks them), and a function that
+    puts moved ones back among the others, as the model's inputs."""
+    movable = [a for a, m in zip(x, moving, strict=True) if m]
+
+    def rejoin(moved: list[Any]) -> list[Any]:
+        it = iter(moved)
+        return [next(it) if m else a for a, m in zip(x, moving, strict=True)]
+
+    return movable, rejoin
+
+
 def make_search(tracker: Any, crit: Any, group: int, moving: list[bool]) -> Any:
     """The `make_step` of the search for `Tracker.run_layers` (with ``before=True``)."""
 
@@ -49,11 +61,7 @@ def make_search(tracker: Any, crit: Any, group: int, moving: list[bool]) -> Any:
 
         def step(v, r, x0, n1, n2, eps, low, high, steps):
             start, _ = values(v, r, x0)
-            movable = [x for x, m in zip(x0, moving, strict=True) if m]
-
-            def inputs(xf: list[Any]) -> list[Any]:
-                it = iter(xf)
-                return [next(it) if m else x for x, m in zip(x0, moving, strict=True)]
+            movable, inputs = moving_parts(x0, moving)
 
             def loss(xf: list[Any]) -> tuple[Any, Any]:
                 now, before = values(v, r, inputs(xf))
