@@ -150,7 +150,7 @@ def generate(
     rng = np.random.default_rng(_seed_of(key))
     plan = []
     if requirements:
-        values, reach = _seed_reach(tracker, seeds, leaves, moving, (eps, low, high), rng)
+        values, reach = _seed_reach(tracker, leaves, treedef, moving, (eps, low, high), rng)
         plan = _plan(crit, count, requirements, rng, values, reach)
 
     size = min(_CHUNK, len(plan))  # one compiled search per criterion and layer (pair)
@@ -244,7 +244,7 @@ def _seed_of(key: Any) -> Any:
         raise KeySpecError(key=key) from None
 
 
-def _seed_reach(tracker, seeds, leaves, moving, budget, rng) -> tuple[list[Any], Any]:
+def _seed_reach(tracker, leaves, treedef, moving, budget, rng) -> tuple[list[Any], Any]:
     """Per layer, (seeds, neurons) arrays: the neuron values for the seeds and how far
     each can move from each seed inside the budget, to first order: ``(values, (up,
     down))``, the largest rise and the largest fall (<= 0) of its value over the box of
@@ -258,7 +258,11 @@ def _seed_reach(tracker, seeds, leaves, moving, budget, rng) -> tuple[list[Any],
     one forward-mode product and Σ|J|·h is estimated from `_PROJECTIONS` forward-mode
     products along h·u, u standard Cauchy: each gives every neuron a Cauchy value of
     scale Σ|J|·h, the median of whose magnitude is that scale (within about 20%), at a
-    cost that does not grow with the neurons."""
+    cost that does not grow with the neurons.
+
+    The seeds go `_CHUNK` at a time (the last chunk padded with copies of its last
+    seed), so that the memory is that of the search's chunks and the step compiles once
+    whatever the number of seeds."""
     eps, low, high = budget
     centres, halves = [], []  # per moving leaf, the centre and half-width of its box
     for x, m in zip(leaves, moving, strict=True):
@@ -267,7 +271,7 @@ def _seed_reach(tracker, seeds, leaves, moving, budget, rng) -> tuple[list[Any],
             centres.append(((lo + hi) / 2).astype(x.dtype))
             halves.append(((hi - lo) / 2).astype(x.dtype))
     exact = sum(tracker.sizes) <= _EXACT
-    seed = rng.integers(2**31 - 1, dtype=np.int32)
+    seed = int(rng.integers(2**30))  # each chunk's projections: seed + its first row
 
     def make(layer_outputs: Any) -> Any:
         def step(v, r, x, centres, halves, seed):
@@ -311,12 +315,18 @@ def _seed_reach(tracker, seeds, leaves, moving, budget, rng) -> tuple[list[Any],
 
         return step
 
-    run_key = ("generate-reach", exact)
-    values, (up, down) = tracker.run_layers(
-        run_key, seeds, make, centres, halves, seed, before=True
-    )
-    as_numpy = lambda arrays: [np.asarray(a) for a in arrays]  # noqa: E731
-    return as_numpy(values), (as_numpy(up), as_numpy(down))
+    count, layers = len(leaves[0]), len(tracker.sizes)
+    size = min(_CHUNK, count)
+    parts = []  # per chunk: values, rises and falls, layer by layer
+    for start in range(0, count, size):
+        rows = np.minimum(np.arange(start, start + size), count - 1)
+        batch = jax.tree_util.tree_unflatten(treedef, [x[rows] for x in leaves])
+        box = [c[rows] for c in centres], [h[rows] for h in halves], np.int32(seed + start)
+        out = tracker.run_layers(("generate-reach", exact), batch, make, *box, before=True)
+        parts.append([np.asarray(a)[: count - start] for a in jax.tree_util.tree_leaves(out)])
+    joined = [np.concatenate(chunks) for chunks in zip(*parts, strict=True)]
+    values, up, down = (joined[i * layers : (i + 1) * layers] for i in range(3))
+    return values, (up, down)
 
 
 def _plan(crit, count, requirements, rng, values, reach) -> list[tuple[int, Any]]:

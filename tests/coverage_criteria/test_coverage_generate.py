@@ -434,12 +434,13 @@ def test_key_changes_the_picks_not_the_validity(mlp_out):
     assert len({frozenset(r) for r in runs.values()}) > 1, "every key picked the same"
 
 
-def test_the_plan_measures_how_far_each_neuron_can_move(mlp_out, mlp_act):
+def test_the_plan_measures_how_far_each_neuron_can_move(mlp_out, mlp_act, monkeypatch):
     """The reach that orders the searches, against the Jacobian of a hand-written forward
     (jax.jacobian of NumPy-initialised weights, not of the tracker's program): a
     neuron's largest rise over the box of moves is sum_i max(J_i, 0)·hi_i + min(J_i,
-    0)·lo_i. A neuron whose weights are zeroed cannot move, so no requirement that
-    asks it to change sign is tried while others remain."""
+    0)·lo_i, whether the seeds go all at once or in chunks (the last one padded). A
+    neuron whose weights are zeroed cannot move, so no requirement that asks it to
+    change sign is tried while others remain."""
     from jaxslice.coverage import _generate
 
     setup, t = mlp_out
@@ -454,9 +455,9 @@ def test_the_plan_measures_how_far_each_neuron_can_move(mlp_out, mlp_act):
     seeds = np.asarray(setup.seeds)
     eps, low, high = 0.3, np.float32(-1.0), np.float32(1.5)
     seeds = np.clip(seeds, -0.9, 1.4).astype(np.float32)
-    leaves, _, moving = _generate._seed_leaves(t, seeds)
+    leaves, treedef, moving = _generate._seed_leaves(t, seeds)
     rng = np.random.default_rng(0)
-    values, (up, down) = _generate._seed_reach(t, seeds, leaves, moving, (eps, low, high), rng)
+    values, (up, down) = _generate._seed_reach(t, leaves, treedef, moving, (eps, low, high), rng)
     jac = np.stack([np.asarray(jax.jacobian(forward)(x)) for x in seeds])  # (S, 15, 4)
     lo, hi = np.maximum(-eps, low - seeds), np.minimum(eps, high - seeds)
     want_up = (np.maximum(jac, 0) * hi[:, None] + np.minimum(jac, 0) * lo[:, None]).sum(-1)
@@ -466,10 +467,17 @@ def test_the_plan_measures_how_far_each_neuron_can_move(mlp_out, mlp_act):
     np.testing.assert_allclose(
         np.concatenate(values, axis=1), np.stack([forward(x) for x in seeds]), rtol=1e-4, atol=1e-5
     )
+    monkeypatch.setattr(_generate, "_CHUNK", 5)  # 32 seeds: six chunks of 5, then 2 padded
+    chunked = _generate._seed_reach(t, leaves, treedef, moving, (eps, low, high), rng)
+    for got, want in zip(
+        jax.tree.leaves(chunked), jax.tree.leaves((values, (up, down))), strict=True
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    monkeypatch.undo()
     # Observing after the ReLUs, the plan reads the values before them: an off neuron
     # (0 after its ReLU, no gradient there) can still be moved across 0.
     _, t_act = mlp_act
-    act = _generate._seed_reach(t_act, seeds, leaves, moving, (eps, low, high), rng)
+    act = _generate._seed_reach(t_act, leaves, treedef, moving, (eps, low, high), rng)
     for got, want in zip(jax.tree.leaves(act), jax.tree.leaves((values, (up, down))), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert (np.concatenate(values, axis=1) < 0).any()  # some neurons are off after the ReLU
@@ -484,8 +492,8 @@ def test_the_plan_measures_how_far_each_neuron_can_move(mlp_out, mlp_act):
     crit = t2.criteria[0]
     reqs = crit.open_requirements(t2.states[0])
     assert any(r[1] == 2 for r in reqs) and any(r[1] != 2 for r in reqs)
-    leaves, _, moving = _generate._seed_leaves(t2, seeds)
-    values, reach = _generate._seed_reach(t2, seeds, leaves, moving, (eps, low, high), rng)
+    leaves, treedef, moving = _generate._seed_leaves(t2, seeds)
+    values, reach = _generate._seed_reach(t2, leaves, treedef, moving, (eps, low, high), rng)
     assert np.all(reach[0][0][:, 2] == 0) and np.all(reach[1][0][:, 2] == 0)
     score = _generate._scores(crit, values, reach, np.array(reqs), np.random.default_rng(0))
     stuck_cols = np.array([r[1] == 2 for r in reqs])
@@ -501,6 +509,7 @@ def test_many_neurons_reach_is_estimated_and_generation_stays_valid(mlp_out, mon
 
     setup, t = mlp_out
     monkeypatch.setattr(_generate, "_EXACT", 0)
+    monkeypatch.setattr(_generate, "_CHUNK", 5)  # the projections differ from chunk to chunk
     params = setup.variables["params"]
     w1, b1 = np.array(params["fc1"]["kernel"]), np.asarray(params["fc1"]["bias"])
     w2, b2 = np.asarray(params["fc2"]["kernel"]), np.asarray(params["fc2"]["bias"])
@@ -515,9 +524,11 @@ def test_many_neurons_reach_is_estimated_and_generation_stays_valid(mlp_out, mon
     t2 = C.Tracker(setup.model, stuck, setup.seeds, criteria=[C.SignSign()], position="output",
                    layers=["fc1", "fc2"])  # fmt: skip
     seeds, eps = np.asarray(setup.seeds), 0.4
-    leaves, _, moving = _generate._seed_leaves(t2, seeds)
+    leaves, treedef, moving = _generate._seed_leaves(t2, seeds)
     box = (eps, np.float32(-np.inf), np.float32(np.inf))
-    _, (up, down) = _generate._seed_reach(t2, seeds, leaves, moving, box, np.random.default_rng(1))
+    _, (up, down) = _generate._seed_reach(
+        t2, leaves, treedef, moving, box, np.random.default_rng(1)
+    )
     up, down = np.concatenate(up, axis=1), np.concatenate(down, axis=1)
     jac = np.stack([np.asarray(jax.jacobian(forward)(x)) for x in seeds])
     want = eps * np.abs(jac).sum(-1)  # a symmetric box: rise = -fall = eps·|J|_1
