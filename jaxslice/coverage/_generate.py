@@ -315,18 +315,16 @@ def _seed_reach(tracker, leaves, treedef, moving, budget, rng) -> tuple[list[Any
 
         return step
 
-    count, layers = len(leaves[0]), len(tracker.sizes)
+    count = len(leaves[0])
     size = min(_CHUNK, count)
-    parts = []  # per chunk: values, rises and falls, layer by layer
+    parts = []  # per chunk: (values, (up, down)) without its padding rows
     for start in range(0, count, size):
         rows = np.minimum(np.arange(start, start + size), count - 1)
         batch = jax.tree_util.tree_unflatten(treedef, [x[rows] for x in leaves])
         box = [c[rows] for c in centres], [h[rows] for h in halves], np.int32(seed + start)
         out = tracker.run_layers(("generate-reach", exact), batch, make, *box, before=True)
-        parts.append([np.asarray(a)[: count - start] for a in jax.tree_util.tree_leaves(out)])
-    joined = [np.concatenate(chunks) for chunks in zip(*parts, strict=True)]
-    values, up, down = (joined[i * layers : (i + 1) * layers] for i in range(3))
-    return values, (up, down)
+        parts.append(jax.tree_util.tree_map(lambda a, n=count - start: np.asarray(a)[:n], out))
+    return jax.tree_util.tree_map(lambda *chunks: np.concatenate(chunks), *parts)
 
 
 def _plan(crit, count, requirements, rng, values, reach) -> list[tuple[int, Any]]:
