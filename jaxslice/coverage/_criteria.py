@@ -225,10 +225,29 @@ class NC(_Flags):
         return jax.nn.relu(self.threshold + 0.02 - pick(now[0], n1))
 
 
-def _kmnc_sections(v: Any, low: Any, high: Any, k: int) -> Any:
-    """One-hot (B, N, k) of the section each value falls in (all False outside the range)."""
+# How far past a profile bound a value must lie to count as beyond it, relative to the
+# neuron's larger bound magnitude. XLA rounds a layer's values a few ulps differently at
+# different batch sizes (measured up to 1.4e-6 of the neuron's scale, on small CNNs and
+# MLPs), so without it the profiling inputs fed again at another batch size would cross
+# their own bounds (NBC, SNAC) or fall out of every section (KMNC).
+BOUND_TOLERANCE = 2.0**-17
+
+
+def _bounds(p: Moments) -> tuple[Any, Any]:
+    """[low_n, high_n] of the profile `p`, each widened by the tolerance (none at an
+    infinite bound)."""
+    scale = jnp.maximum(jnp.abs(p.low), jnp.abs(p.high))
+    tol = jnp.where(jnp.isfinite(scale), BOUND_TOLERANCE * scale, 0.0)
+    return p.low - tol, p.high + tol
+
+
+def _kmnc_sections(v: Any, p: Moments, k: int) -> Any:
+    """One-hot (B, N, k) of the section each value falls in (all False outside the range,
+    within the tolerance: a value just past a bound falls in its end section)."""
+    outer_low, outer_high = _bounds(p)
+    inside = (v >= outer_low) & (v <= outer_high)
+    low, high = p.low, p.high
     width = high - low
-    inside = (v >= low) & (v <= high)
     idx = jnp.where(width > 0, jnp.floor((v - low) / jnp.where(width > 0, width, 1.0) * k), k - 1)
     idx = jnp.clip(idx, 0, k - 1).astype(jnp.int32)
     return jax.nn.one_hot(idx, k, dtype=bool) & inside[..., None]
@@ -239,7 +258,9 @@ class KMNC(_Flags):
 
     [low_n, high_n] is split into k sections of equal width; a neuron's section is covered
     when some input's value falls in it. A value equal to high_n falls in the last section;
-    values outside [low_n, high_n] cover no section. A zero-range neuron (low_n = high_n)
+    values outside [low_n, high_n] cover no section, except that a value past a
+    bound by at most 2^-17 · max(|low_n|, |high_n|) counts in that end's section (see
+    `NBC`). A zero-range neuron (low_n = high_n)
     has its single value counted in the last section. KMNC = covered sections / (k·|N|).
 
     Args:
@@ -256,7 +277,7 @@ class KMNC(_Flags):
 
     def update(self, state, values, scaled, profile, valid=None):
         return [
-            s | covered(_kmnc_sections(v, p.low, p.high, self.k), valid)
+            s | covered(_kmnc_sections(v, p, self.k), valid)
             for s, v, p in zip(state, values, profile, strict=True)
         ]
 
@@ -264,8 +285,10 @@ class KMNC(_Flags):
 class NBC(Criterion):
     """Neuron boundary coverage (DeepGauge).
 
-    NBC = (|{n: some φ > high_n}| + |{n: some φ < low_n}|) / (2|N|). Values exactly at a
-    bound do not count.
+    NBC = (|{n: some φ > high_n}| + |{n: some φ < low_n}|) / (2|N|). Values at a bound do
+    not count, nor values past it by at most 2^-17 · max(|low_n|, |high_n|): XLA rounds a
+    layer's values a few ulps differently at different batch sizes, and the profiling
+    inputs fed again must not cross their own bounds.
     """
 
     needs_profile = True
@@ -276,23 +299,26 @@ class NBC(Criterion):
         return [(np.zeros((n,), bool), np.zeros((n,), bool)) for n in sizes]
 
     def update(self, state, values, scaled, profile, valid=None):
-        return [
-            (up | covered(v > p.high, valid), lo | covered(v < p.low, valid))
-            for (up, lo), v, p in zip(state, values, profile, strict=True)
-        ]
+        out = []
+        for (up, lo), v, p in zip(state, values, profile, strict=True):
+            low, high = _bounds(p)
+            out.append((up | covered(v > high, valid), lo | covered(v < low, valid)))
+        return out
 
     def counts(self, state):
         return [(np.count_nonzero(up) + np.count_nonzero(lo), 2 * np.size(up)) for up, lo in state]
 
 
 class SNAC(_Flags):
-    """Strong neuron activation coverage (DeepGauge): |{n: some φ > high_n}| / |N|."""
+    """Strong neuron activation coverage (DeepGauge): |{n: some φ > high_n}| / |N|, past
+    high_n by more than 2^-17 · max(|low_n|, |high_n|) (see `NBC`)."""
 
     needs_profile = True
 
     def update(self, state, values, scaled, profile, valid=None):
         return [
-            s | covered(v > p.high, valid) for s, v, p in zip(state, values, profile, strict=True)
+            s | covered(v > _bounds(p)[1], valid)
+            for s, v, p in zip(state, values, profile, strict=True)
         ]
 
 

@@ -43,10 +43,10 @@ MARGIN = 1e-5  # decisions closer than this to their edge are rejected by the re
 # =========================================================================== reference
 
 
-def _clear(a, b, what):
+def _clear(a, b, what, margin=MARGIN):
     """No decision `a` vs `b` is within rounding distance (exact equality is fine)."""
     d = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-    bad = (d > 0) & (d < MARGIN)
+    bad = (d > 0) & (d < margin)
     assert not bad.any(), (
         f"reference: {what} too close to its edge for a float32 comparison; pick another seed"
     )
@@ -62,20 +62,34 @@ def ref_nc(scaled: np.ndarray, t: float) -> np.ndarray:
     return cov
 
 
+def _slack(lo, hi):
+    """How far past a profile bound a value may lie and still count as at it: 2^-17 of the
+    neuron's larger bound magnitude (the documented tolerance for batch-size rounding)."""
+    return 2.0**-17 * max(abs(float(lo)), abs(float(hi)))
+
+
+def _near(slack):
+    """Rounding distance from a widened bound: a value at the bound itself lies `slack`
+    from it, which may be less than MARGIN but is far more than rounding."""
+    return np.where(np.asarray(slack) > 0, np.minimum(MARGIN, np.asarray(slack) / 2), MARGIN)
+
+
 def ref_kmnc(values: np.ndarray, low: np.ndarray, high: np.ndarray, k: int) -> np.ndarray:
-    """(neurons, k) covered sections: [low, high] in k equal sections, high in the last."""
+    """(neurons, k) covered sections: [low, high] in k equal sections, high in the last; a
+    value within the slack past a bound counts in that end's section."""
     cov = np.zeros((values.shape[1], k), bool)
     for n in range(values.shape[1]):
         lo, hi = low[n], high[n]
+        slack = _slack(lo, hi)
         edges = [lo + (hi - lo) * i / k for i in range(k + 1)]
         for v in values[:, n]:
-            _clear(v, [lo, hi], "KMNC value vs bound")
-            if hi == lo:  # zero-range neuron: its single value is in the last section
-                if v == lo:
-                    cov[n, k - 1] = True
-                continue
-            if v < lo or v > hi:
+            _clear(v, [lo - slack, hi + slack], "KMNC value vs bound", _near(slack))
+            if v < lo - slack or v > hi + slack:
                 continue  # outside the profiled range: no section
+            if hi == lo:  # zero-range neuron: its single value is in the last section
+                cov[n, k - 1] = True
+                continue
+            v = min(max(v, lo), hi)
             _clear(v, edges[1:-1], "KMNC value vs section edge")
             for i in range(k):
                 last = i == k - 1
@@ -86,10 +100,11 @@ def ref_kmnc(values: np.ndarray, low: np.ndarray, high: np.ndarray, k: int) -> n
 
 
 def ref_upper_lower(values, low, high):
-    _clear(values, high[None], "value vs high")
-    _clear(values, low[None], "value vs low")
-    upper = np.array([any(v > high[n] for v in values[:, n]) for n in range(values.shape[1])])
-    lower = np.array([any(v < low[n] for v in values[:, n]) for n in range(values.shape[1])])
+    slack = np.array([_slack(lo, hi) for lo, hi in zip(low, high, strict=True)])
+    _clear(values, (high + slack)[None], "value vs high", _near(slack)[None])
+    _clear(values, (low - slack)[None], "value vs low", _near(slack)[None])
+    upper = np.array([any(v > high[n] + slack[n] for v in values[:, n]) for n in range(len(slack))])
+    lower = np.array([any(v < low[n] - slack[n] for v in values[:, n]) for n in range(len(slack))])
     return upper, lower
 
 
@@ -739,6 +754,31 @@ def test_profiling_a_batch_of_a_new_size_compiles_nothing(mlp):
         np.testing.assert_allclose(np.asarray(stats["high"]), values.max(0), rtol=1e-6)
         np.testing.assert_allclose(np.asarray(stats["mean"]), values.mean(0), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.asarray(stats["std"]), values.std(0), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["layers", "iterations"])
+def test_the_profiling_inputs_fed_again_cover_no_corner(stacked):
+    """The profile's own inputs, fed again one at a time and in uneven batches, cross no
+    bound (NBC = SNAC = 0) and fall in the sections they fall in at the profile's batch
+    size: XLA rounds values at batch 1 and at batch 90 a few ulps apart, which the
+    bounds' tolerance absorbs."""
+    model = ScannedModel()
+    x = np.random.default_rng(3).normal(size=(90, 4)).astype(np.float32)
+    variables = model.init(jax.random.key(1), x[:1])
+    layers = ["layers[:]/mlp", "layers[:]/attn"] if stacked else None
+    crits = [C.NBC(), C.SNAC(), C.KMNC(4)]
+
+    def fed(sizes):
+        t = C.Tracker(model, variables, x[:1], layers=layers, criteria=crits)
+        t.profile([x])
+        for chunk in np.split(x, np.cumsum(sizes)[:-1]):
+            t.update(chunk)
+        return {name: r["layers"] for name, r in t.result().items()}
+
+    whole = fed([90])
+    assert set(whole["NBC"].values()) == set(whole["SNAC"].values()) == {0.0}
+    assert fed([1] * 90) == whole
+    assert fed([7, 70, 13]) == whole
 
 
 def test_padding_rows_cover_nothing(mlp, mlp_tracker):
