@@ -44,7 +44,14 @@ from .._errors import (
 from .._table import PrintsAsTable
 from .._trees import is_traced_leaf
 from ..observe import GRANULARITIES, Moments, Observer, neuron_count, neurons, scaled
-from ..observe._observer import layer_units, over_units, per_iteration, to_layers, to_units
+from ..observe._observer import (
+    layer_units,
+    over_units,
+    per_iteration,
+    serialised,
+    to_layers,
+    to_units,
+)
 from ._criteria import KMNC, NBC, NC, SNAC, TKNC, Criterion
 
 _PROFILE, _UPDATE = 0, 1
@@ -154,6 +161,7 @@ class Tracker:
 
     # ------------------------------------------------------------------ public
 
+    @serialised
     def reset(self) -> None:
         """Forgets every covered neuron (the profile is kept)."""
         self._state = []
@@ -167,6 +175,7 @@ class Tracker:
         self._seen = 0
 
     @property
+    @serialised
     def profile_stats(self) -> dict[str, dict[str, Any]] | None:
         """Per-layer neuron statistics of the profile: low, high, mean, std (or None)."""
         if self._profile is None:
@@ -176,6 +185,7 @@ class Tracker:
             for name, m in zip(self.layers, self._per_layer(self._profile), strict=True)
         }
 
+    @serialised
     def profile(self, batches: Iterable[Any]) -> None:
         """Streams training batches to record each neuron's [low, high], mean and std."""
         acc = self._profile
@@ -191,6 +201,7 @@ class Tracker:
             raise NoBatchesError()
         self._profile = acc
 
+    @serialised
     def update(self, batch: Any) -> None:
         """Adds a batch of test inputs (an array, or a tuple of the model's inputs)."""
         self._check_profile()
@@ -216,6 +227,7 @@ class Tracker:
         )
         self._seen += n
 
+    @serialised
     def result(self) -> CoverageResult:
         """Coverage per criterion: the total over all neurons, and per layer."""
         self._check_profile()
@@ -238,6 +250,7 @@ class Tracker:
         return list(self._names)
 
     @property
+    @serialised
     def states(self) -> tuple[Any, ...]:
         """Each criterion's current state (what its `update` returns), in the order of
         `criteria`; valid until the next `update`, which reuses its memory."""

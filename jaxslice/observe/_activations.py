@@ -11,7 +11,7 @@ from .. import _compat
 from .._errors import ChoiceError
 from .._table import PrintsAsTable
 from ._moments import Moments
-from ._observer import Observer
+from ._observer import Observer, serialised
 
 PER = ("tensor", "channel")
 STATS = ("mean", "std", "min", "max", "zero_fraction")
@@ -96,10 +96,12 @@ class ActivationStats:
         self.names = self._observer.layers
         self.reset()
 
+    @serialised
     def reset(self) -> None:
         shape = lambda s: () if self.per == "tensor" else (s[-1] if s else 1,)  # noqa: E731
         self._acc = [Moments.empty(shape(s)) for s in self._observer.shapes]
 
+    @serialised
     def update(self, batch: Any) -> None:
         """Adds a batch (an array, or a tuple of the model's inputs)."""
         self._acc = self._observer.run(0, batch, self._step, self._acc)
@@ -117,6 +119,7 @@ class ActivationStats:
 
         return step
 
+    @serialised
     def result(self) -> StatsResult:
         """``{name: {"mean", "std", "min", "max", "zero_fraction", "count"}}`` (a dict that
         prints as a table); with ``per="channel"`` the values are NumPy arrays."""

@@ -16,8 +16,10 @@ slices read them, so an observer follows the model as it trains.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -124,6 +126,20 @@ def scaled(x: Any) -> Any:
     return jnp.where(span > 0, (x - lo) / jnp.where(span > 0, span, 1.0), 0.0)
 
 
+def serialised(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` of an object whose state its `_observer`'s runs update (a coverage
+    tracker, activation statistics), run one call at a time across threads: two updates
+    at once would each read the state and the later write would drop the other's batch,
+    or read state that the other's compiled step has donated."""
+
+    @functools.wraps(method)
+    def one_at_a_time(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._observer.lock:
+            return method(self, *args, **kwargs)
+
+    return one_at_a_time
+
+
 class Observer:
     """Runs a model up to chosen layers, compiled, and feeds their outputs to a function."""
 
@@ -138,6 +154,9 @@ class Observer:
     ):
         """`also_outputs`: at ``position="activation"``, observe each layer's output too
         (after all the activations, in the same order)."""
+        #: held by the methods of whatever keeps state that this observer's runs update
+        #: (`serialised`)
+        self.lock = threading.RLock()
         if position not in POSITIONS:
             raise ChoiceError(option="position", choices=POSITIONS, value=position)
         traced = trace(target, args, kwargs, adapter=adapter_for(target))

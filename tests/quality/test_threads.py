@@ -464,3 +464,50 @@ def test_one_lens_from_threads():
     for i in range(N_THREADS):
         for r in range(ROUNDS):
             assert_trees_equal(threaded[i][r], single[i][r])
+
+
+def test_one_tracker_and_one_stats_from_threads():
+    """4 threads update one coverage tracker (its pair criteria's state is donated to
+    each update) and one `ActivationStats` at once, each with its own batches: no batch
+    is lost and no donated state is read. The coverage equals one thread's over the same
+    batches (it does not depend on their order), the history holds every input, and the
+    statistics equal NumPy's over the layers computed by hand."""
+    model = LinenNet()
+    x = rand(800, (3, D))
+    variables = model.init(jax.random.key(0), x)
+    p = variables["params"]
+    batches = [
+        [rand(900 + 10 * i + r, (3 + i, D)) for r in range(ROUNDS)] for i in range(N_THREADS)
+    ]
+    crits = lambda: [js.coverage.NC(0.5), js.coverage.NBC(), js.coverage.SignSign()]  # noqa: E731
+
+    def fresh() -> tuple[Any, Any]:
+        tracker = js.coverage.Tracker(model, variables, x, criteria=crits())
+        tracker.profile([x])
+        return tracker, js.ActivationStats(model, variables, x)
+
+    tracker, stats = fresh()
+    for i in range(N_THREADS):
+        for b in batches[i]:
+            tracker.update(b)
+    single = tracker.result()
+    js.clear_caches()
+    tracker, stats = fresh()
+
+    def fn(i: int, r: int) -> None:
+        tracker.update(batches[i][r])
+        stats.update(batches[i][r])
+
+    run_threads(fn)
+    assert tracker.result() == single
+    seen = sum(len(b) for per_thread in batches for b in per_thread)
+    assert int(tracker.states[2][2]) == seen  # SignSign's history: every input once
+    inputs = np.concatenate([np.asarray(b) for per_thread in batches for b in per_thread])
+    h, result = inputs, stats.result()
+    for k in range(DEPTH):
+        z = h @ np.asarray(p[f"layers_{k}"]["kernel"]) + np.asarray(p[f"layers_{k}"]["bias"])
+        got = result[f"layers_{k}"]
+        assert got["count"] == z.size
+        np.testing.assert_allclose([got["min"], got["max"]], [z.min(), z.max()], rtol=1e-5)
+        np.testing.assert_allclose(got["mean"], z.mean(), rtol=1e-4, atol=1e-5)
+        h = np.tanh(z)
