@@ -84,7 +84,21 @@ class UnknownCriterionError(InvalidSpecError):
 class NoBatchesError(InvalidSpecError):
     """`profile` was given no batches."""
 
-    TEMPLATE = "`profile` got no batches; pass an iterable of training batches."
+    TEMPLATE = (
+        "`profile` got no batches (or only empty ones); pass an iterable of training batches."
+    )
+
+
+class NaNProfileError(SliceError):
+    """A profile gave NaN ranges: a profiling input, or the model on it, gave NaN."""
+
+    TEMPLATE = (
+        "The profile's ranges are NaN for {neurons} (a profiling input, or the model on "
+        "it, gave NaN); with NaN bounds {names} would never cover those neurons, whatever "
+        "the test inputs.\nDrop the inputs that give NaN (e.g. keep "
+        "`x[np.isfinite(x).reshape(len(x), -1).all(axis=1)]`) and profile again; the "
+        "tracker keeps the profile it had before this call."
+    )
 
 
 class ProfileNeededError(SliceError):

@@ -36,6 +36,7 @@ from .._errors import (
     CapacityError,
     ChoiceError,
     CriteriaSpecError,
+    NaNProfileError,
     NoBatchesError,
     ProfileNeededError,
     ScalarLayersError,
@@ -187,18 +188,36 @@ class Tracker:
 
     @serialised
     def profile(self, batches: Iterable[Any]) -> None:
-        """Streams training batches to record each neuron's [low, high], mean and std."""
+        """Streams training batches to record each neuron's [low, high], mean and std
+        (merged with the profile so far; empty batches are skipped).
+
+        Raises:
+          NoBatchesError: no batch, or only empty ones.
+          NaNProfileError: a range came out NaN where a criterion reads the ranges (the
+            tracker keeps the profile it had before the call).
+        """
         acc = self._profile
         if acc is None:
             acc = to_units(self._units, [Moments.empty((n,)) for n in self.sizes])
         seen = False
         for batch in batches:
             n = self.batch_size(batch)
+            if n == 0:
+                continue  # an empty batch has no range
             batch = self._compiled_size(_PROFILE, batch, n, True)
             acc = self._observer.run(_PROFILE, batch, self._profile_step, acc, np.int32(n))
             seen = True
         if not seen:
             raise NoBatchesError()
+        # One read of the ranges per call (not per batch): NaN bounds cover nothing.
+        needing = [n for n, c in zip(self._names, self.criteria, strict=True) if c.needs_profile]
+        bad = [
+            f"{k} of {m.low.size} neurons of {name!r}"
+            for name, m in zip(self.layers, self._per_layer(acc), strict=True)
+            if (k := int(np.count_nonzero(np.isnan(m.low) | np.isnan(m.high))))
+        ]
+        if bad and needing:
+            raise NaNProfileError(neurons=", ".join(bad), names=", ".join(needing))
         self._profile = acc
 
     @serialised

@@ -609,6 +609,35 @@ def test_profile_needed_first(mlp):
             t.result()
 
 
+def test_a_nan_profile_is_refused_and_the_one_before_kept(mlp):
+    """A profiling input that makes neurons NaN would leave their bounds NaN (nothing
+    ever beyond them): `profile` raises, naming how many neurons of which layers, and the
+    tracker goes on with the profile it had. Empty batches are skipped; only empty ones
+    are no batches."""
+    crits = [C.NBC(), C.KMNC(3)]
+    t = C.Tracker(mlp.model, mlp.variables, mlp.x, criteria=crits)
+    empty = np.asarray(mlp.prof[0])[:0]
+    with pytest.raises(js.InvalidSpecError, match="only empty"):
+        t.profile([empty, empty])
+    t.profile([empty, mlp.prof[0], empty, mlp.prof[1]])
+    t.update(mlp.test)
+    before = t.result()
+    poisoned = np.asarray(mlp.prof[0]).copy()
+    poisoned[2, 0] = np.nan
+    with pytest.raises(js.SliceError, match=r"NaN for .* of 'fc1'.*NBC, KMNC") as err:
+        t.profile([poisoned])
+    assert "x[np.isfinite(x)" in str(err.value)
+    t.update(mlp.test)
+    assert t.result() == before  # the same profile: the same inputs cover nothing new
+    reference_tracker = C.Tracker(mlp.model, mlp.variables, mlp.x, criteria=crits)
+    reference_tracker.profile(mlp.prof)
+    reference_tracker.update(mlp.test)
+    assert reference_tracker.result() == before
+    only_nc = C.Tracker(mlp.model, mlp.variables, mlp.x, criteria=[C.NC(0.5)])
+    only_nc.profile([poisoned])  # nothing reads the ranges: the statistics say NaN
+    assert np.isnan(only_nc.profile_stats["fc1"]["low"]).any()
+
+
 def test_unknown_layer_suggests_close_names(mlp):
     with pytest.raises(js.SliceError) as err:
         C.Tracker(mlp.model, mlp.variables, mlp.x, criteria=[C.NC(0.5)], layers=["fc_1"])
