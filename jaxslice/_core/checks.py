@@ -15,6 +15,7 @@ import numpy as np
 from .. import _compat
 from .._errors import (
     DeletedArrayError,
+    ModelChangedError,
     NoStateError,
     TracedModeError,
     UnaskedUpdatesError,
@@ -24,13 +25,22 @@ from .._trees import describe_aval, hashable, is_traced_leaf, path_str
 from .plan import Plan
 
 
-def check_leaves(paths: Any, leaves: list[Any], avals: Any) -> None:
-    """Each leaf has the shape and dtype of the variable traced at its path."""
+def check_leaves(paths: Any, leaves: list[Any], avals: Any, live: bool = False) -> None:
+    """Each leaf has the shape and dtype of the variable traced at its path. `live`: the
+    leaves are the variables a model holds (NNX), read from it at a call, so one of
+    another shape means the model changed (a layer replaced by a wider one)."""
     for path, leaf, aval in zip(paths, leaves, avals, strict=True):
         # An array of the right shape and dtype passes at the cost of two comparisons.
         dtype = getattr(leaf, "dtype", None)
         if getattr(leaf, "shape", None) != aval.shape or dtype is None or dtype != aval.dtype:
-            _check_leaf(path, leaf, aval)
+            try:
+                _check_leaf(path, leaf, aval)
+            except VariableShapeError as error:
+                if not live:
+                    raise
+                got, want = error.facts["got"], error.facts["want"]
+                change = f"its variable {path_str(path)} is {got}, traced as {want}"
+                raise ModelChangedError(change=change) from None
 
 
 def _check_leaf(path: Any, leaf: Any, aval: Any) -> None:

@@ -250,7 +250,7 @@ class SliceProgram:
             return self.variable_leaves(entry, variables, strict=False)
         live = self.adapter.live_variables(self.target)
         leaves = [live[p] for p in entry.plan.variable_paths]
-        check_leaves(entry.plan.variable_paths, leaves, entry.variable_avals)
+        check_leaves(entry.plan.variable_paths, leaves, entry.variable_avals, live=True)
         return leaves
 
     def run(

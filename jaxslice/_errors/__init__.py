@@ -170,6 +170,7 @@ from .variables import (
     MergeUnknownError,
     MissingEntriesError,
     MissingModelVariablesError,
+    ModelChangedError,
     VariableShapeError,
     VariablesStructureError,
 )
@@ -314,6 +315,7 @@ __all__ = [
     "UnstackedNodeError",
     "UnsupportedTargetError",
     "UnusedStartError",
+    "ModelChangedError",
     "VariableShapeError",
     "VariablesMismatchError",
     "VariablesStructureError",

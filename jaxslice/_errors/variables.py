@@ -16,6 +16,17 @@ class VariableShapeError(VariablesMismatchError):
     )
 
 
+class ModelChangedError(VariablesMismatchError):
+    """A model that holds its variables (NNX) changed their shapes since it was sliced."""
+
+    TEMPLATE = (
+        "The model changed since it was sliced or observed: {change}, and what was made "
+        "from it was traced for the old shapes.\n"
+        "Slice (or make the tracker, statistics or lens) again from the model as it is "
+        "now; new values of the same shapes are read at each call without this."
+    )
+
+
 class VariablesStructureError(VariablesMismatchError):
     """The variables passed lack paths the slice reads, or hold arrays it does not use."""
 

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from .. import _compat
+from .._core.checks import check_leaves
 from .._errors import NNXModeVariablesError, NNXSliceExportStateError, NNXSliceNotCopyableError
 from .._trees import is_array
 from .._view import ProgramView
@@ -172,6 +173,7 @@ class SlicedModule(ProgramView, nnx.Module):
             paths = ", ".join("/".join(map(str, p)) for p in missing[:6])
             raise NNXModeVariablesError(paths=paths)
         values = [get_value(variables[p]) for p in entry.plan.variable_paths]
+        check_leaves(entry.plan.variable_paths, values, entry.variable_avals, live=True)
         result, state = program.run(entry, values, [], leaves, True)
         for path, value in state:
             self._write(path, variables[path], value)

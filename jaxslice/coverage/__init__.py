@@ -17,7 +17,7 @@ from ._pairs import SignSign as SignSign
 from ._pairs import SignValue as SignValue
 from ._pairs import ValueSign as ValueSign
 from ._pairs import ValueValue as ValueValue
-from ._tracker import CoverageResult as CoverageResult
+from ._result import CoverageResult as CoverageResult
 from ._tracker import Tracker as Tracker
 
 __all__ = [

@@ -23,7 +23,6 @@ gets every batch as it comes.)
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -40,9 +39,7 @@ from .._errors import (
     NoBatchesError,
     ProfileNeededError,
     ScalarLayersError,
-    UnknownCriterionError,
 )
-from .._table import PrintsAsTable
 from .._trees import is_traced_leaf
 from ..observe import GRANULARITIES, Moments, Observer, neuron_count, neurons, scaled
 from ..observe._observer import (
@@ -54,40 +51,9 @@ from ..observe._observer import (
     to_units,
 )
 from ._criteria import KMNC, NBC, NC, SNAC, TKNC, Criterion
+from ._result import CoverageResult, coverage_of, result_names
 
 _PROFILE, _UPDATE = 0, 1
-
-
-class CoverageResult(PrintsAsTable, dict):
-    """``{criterion: {"total": float, "layers": {key: float}}}``; prints as a table (and
-    shows as one in notebooks), figures to 4 decimals."""
-
-    def _table_rows(self) -> list[tuple[str, ...]]:
-        rows = [("criterion", "layer", "coverage")]
-        for crit, res in self.items():
-            rows.append((crit, "(total)", f"{res['total']:.4f}"))
-            rows += [("", key, f"{value:.4f}") for key, value in res["layers"].items()]
-        return rows
-
-    def annotations(self, *criteria: str) -> dict[str, str]:
-        """``{boundary: text}`` for drawing (``to_dot(annotations=...)``): each layer's
-        figure per criterion, e.g. ``"NC 0.83"``; a pair criterion's figure goes on the
-        second layer of the pair, e.g. ``"SignSign fc1→ 0.25"``. Several criteria share
-        a node's line. Default: every criterion of the result.
-
-        Raises:
-          InvalidSpecError: a criterion the result does not have.
-        """
-        unknown = [c for c in criteria if c not in self]
-        if unknown:
-            raise UnknownCriterionError(name=unknown[0], known=sorted(self))
-        notes: dict[str, list[str]] = {}
-        for crit in criteria or list(self):
-            for key, value in self[crit]["layers"].items():
-                first, arrow, layer = key.rpartition(" -> ")
-                label = f"{crit} {first}→ {value:.2f}" if arrow else f"{crit} {value:.2f}"
-                notes.setdefault(layer, []).append(label)
-        return {layer: "; ".join(labels) for layer, labels in notes.items()}
 
 
 class Tracker:
@@ -150,7 +116,7 @@ class Tracker:
         self.layers = [name for name, _, _ in self._rows]
         shapes = [self._observer.shapes[i][len(row) :] for _, i, row in self._rows]
         self.sizes = _neuron_counts(self.layers, shapes, granularity)
-        self._names = _names(self.criteria)
+        self._names = result_names(self.criteria)
         self._groups = _groups(self.criteria)  # what is updated together, in one state
         self._profile: list[Moments] | None = None  # per unit
         # The batch sizes each step was compiled for; a batch of a new size is padded to
@@ -252,7 +218,7 @@ class Tracker:
         self._check_profile()
         states = zip(self._names, self.criteria, self.states, strict=True)
         return CoverageResult(
-            (name, _coverage(crit, state, self.layers)) for name, crit, state in states
+            (name, coverage_of(crit, state, self.layers)) for name, crit, state in states
         )
 
     def __repr__(self) -> str:
@@ -492,31 +458,6 @@ def _neuron_counts(layers: list[str], shapes: list[tuple[int, ...]], granularity
     if scalars:
         raise ScalarLayersError(names=", ".join(map(repr, scalars)))
     return [neuron_count(shape, granularity) for shape in shapes]
-
-
-def _coverage(crit: Criterion, state: Any, layers: list[str]) -> dict[str, Any]:
-    """One criterion's coverage: over all its neurons, and per result key."""
-    counts = [(int(c), int(n)) for c, n in crit.counts(state)]
-    covered = sum(c for c, _ in counts)
-    total = sum(n for _, n in counts)
-    keys = crit.keys(layers)
-    per_key = {k: _fraction(c, n) for k, (c, n) in zip(keys, counts, strict=True)}
-    return {"total": _fraction(covered, total), "layers": per_key}
-
-
-def _fraction(covered: int, total: int) -> float:
-    return covered / total if total else 0.0
-
-
-def _names(criteria: list[Criterion]) -> list[str]:
-    """The criteria's names, with their settings for names that several criteria share."""
-    counts = collections.Counter(c.name for c in criteria)
-    return [_with_settings(c) if counts[c.name] > 1 else c.name for c in criteria]
-
-
-def _with_settings(crit: Criterion) -> str:
-    settings = ", ".join(f"{k}={v}" for k, v in vars(crit).items())
-    return f"{crit.name}({settings})"
 
 
 _compat.register_frames_exclusion(__file__)

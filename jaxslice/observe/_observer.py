@@ -34,7 +34,13 @@ from .._core.ports import ActivationOf, single_output_id
 from .._core.program import SliceProgram
 from .._core.selection import Name, Selection, resolver_of
 from .._core.trace import Traced, trace
-from .._errors import BatchMismatchError, ChoiceError, LayersSpecError, NoLayersError
+from .._errors import (
+    BatchMismatchError,
+    ChoiceError,
+    LayersSpecError,
+    ModelChangedError,
+    NoLayersError,
+)
 from .._table import describe
 from .._trees import abstract, is_traced_leaf
 from ..adapters import adapter_for
@@ -219,6 +225,7 @@ class Observer:
         step = steps.get(key)
         if step is None:
             n = self.count
+            self._check_outputs(entry, self.batch_size(batch))
 
             def outputs(v: list[Any], r: list[Any], x: list[Any], _fn: Any = entry.fn) -> list[Any]:
                 return _fn(v, r, x)[:n]
@@ -226,6 +233,25 @@ class Observer:
             donated = tuple(3 + i for i in donate)  # after the variable, key and input leaves
             step = steps[key] = jax.jit(make_step(outputs), donate_argnums=donated)
         return step(var_leaves, rng_leaves, leaves, *state)
+
+    def _check_outputs(self, entry: Any, batch: int) -> None:
+        """The layers' outputs at a new input shape have the shapes the observer was
+        made for, but for the batch size (the leading axis, or the old batch size's
+        axis where iterations come first): state sized for the old ones (a tracker's
+        neurons, per-channel statistics) cannot take others (a model that holds its
+        variables can change them between calls: an NNX layer replaced by a wider one)."""
+        sample = int(self.sample[0].shape[0]) if self.sample and self.sample[0].shape else 1
+        avals = entry.avals(entry.plan.output_ids[: self.count])
+        for name, was, now in zip(self.layers, self.shapes, avals, strict=False):
+            fits = len(was) == len(now.shape) and all(  # the leading axis may be anything
+                k == 0 or a == b or (a == sample and b == batch)
+                for k, (a, b) in enumerate(zip(was, now.shape, strict=True))
+            )
+            if not fits:
+                raise ModelChangedError(
+                    change=f"layer {name!r} outputs {now.dtype}{list(now.shape)} at batch "
+                    f"{batch} where it gave {list(was)} at batch {sample}"
+                )
 
 
 _compat.register_frames_exclusion(__file__)

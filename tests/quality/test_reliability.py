@@ -286,6 +286,31 @@ def test_nnx_slice_retraces_when_a_shared_submodule_changes_structure():
     assert_trees_all_close(sub(x), model.body(x))
 
 
+@pytest.mark.parametrize("batch", [3, 5], ids=["same-batch", "new-batch"])
+def test_an_nnx_layer_widened_after_observing_or_slicing_is_named(batch):
+    """A tracker or per-channel statistics keep state sized for the layers' old widths,
+    and a slice holds the old layer: after `head` is replaced by a wider one, each says
+    the model changed, naming the layer or variable and both shapes, at the batch size
+    it was made with and at a new one (a raw broadcasting error from inside JAX before).
+    A replacement of the same shape is read at the next call."""
+    model = NNXNet(rngs=nnx.Rngs(0))
+    x = random_input(8, (3, 3))
+    tracker = js.coverage.Tracker(model, x, criteria=[js.coverage.NC(0.0)])
+    stats = js.ActivationStats(model, x, per="channel")
+    sub = js.slice(model, x, end="head")
+    model.head = nnx.Linear(4, 2, rngs=nnx.Rngs(4))  # same shape: new values, read live
+    stats.update(x)
+    want = np.asarray(model.head(model.body(x))).max(axis=0)
+    np.testing.assert_allclose(stats.result()["head"]["max"], want, rtol=1e-5)
+    model.head = nnx.Linear(4, 5, rngs=nnx.Rngs(5))
+    y = random_input(9, (batch, 3))
+    for run in (tracker.update, stats.update):
+        with pytest.raises(js.VariablesMismatchError, match=r"changed.*'head'.*5\]"):
+            run(y)
+    with pytest.raises(js.VariablesMismatchError, match=r"changed.*head/(kernel|bias)"):
+        sub(y)
+
+
 # --------------------------------------------------------------------------- 3. variables
 
 
