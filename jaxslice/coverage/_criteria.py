@@ -258,10 +258,10 @@ class KMNC(_Flags):
 
     [low_n, high_n] is split into k sections of equal width; a neuron's section is covered
     when some input's value falls in it. A value equal to high_n falls in the last section;
-    values outside [low_n, high_n] cover no section, except that a value past a
-    bound by at most 2^-17 · max(|low_n|, |high_n|) counts in that end's section (see
-    `NBC`). A zero-range neuron (low_n = high_n)
-    has its single value counted in the last section. KMNC = covered sections / (k·|N|).
+    values outside [low_n, high_n] cover no section, except that a value past a bound by
+    at most 2^-17 · max(|low_n|, |high_n|) counts in that end's section (see `NBC`). A
+    zero-range neuron (low_n = high_n) has its single value counted in the last section.
+    KMNC = covered sections / (k·|N|).
 
     Args:
       k: the number of sections.
