@@ -176,7 +176,7 @@ class Tracker:
         if not seen:
             raise NoBatchesError()
         # One read of the ranges per call (not per batch): NaN bounds cover nothing.
-        needing = [n for n, c in zip(self._names, self.criteria, strict=True) if c.needs_profile]
+        needing = self._profile_readers()
         bad = [
             f"{k} of {m.low.size} neurons of {name!r}"
             for name, m in zip(self.layers, self._per_layer(acc), strict=True)
@@ -331,9 +331,13 @@ class Tracker:
         return to_layers(self._units, jax.tree_util.tree_map(np.asarray, per_unit))
 
     def _check_profile(self) -> None:
-        needing = [n for n, c in zip(self._names, self.criteria, strict=True) if c.needs_profile]
+        needing = self._profile_readers()
         if needing and self._profile is None:
             raise ProfileNeededError(names=", ".join(needing))
+
+    def _profile_readers(self) -> list[str]:
+        """The result names of the criteria that read the profile's ranges."""
+        return [name for name, c in zip(self._names, self.criteria, strict=True) if c.needs_profile]
 
     def _profile_step(self, outputs: Any) -> Any:
         """The profile's step; `outputs` gives the observed outputs, the profile is per unit."""

@@ -132,6 +132,11 @@ def scaled(x: Any) -> Any:
     return jnp.where(span > 0, (x - lo) / jnp.where(span > 0, span, 1.0), 0.0)
 
 
+def _leading_size(leaves: Sequence[Any]) -> int:
+    """The batch size of input leaves: the first one's leading axis (1 for a scalar)."""
+    return int(jnp.shape(leaves[0])[0]) if leaves and jnp.ndim(leaves[0]) else 1
+
+
 def serialised(method: Callable[..., Any]) -> Callable[..., Any]:
     """`method` of an object whose state its `_observer`'s runs update (a coverage
     tracker, activation statistics), run one call at a time across threads: two updates
@@ -189,8 +194,7 @@ class Observer:
 
     def batch_size(self, batch: Any) -> int:
         """How many inputs `batch` holds (checked as `inputs` does)."""
-        leaves = _array_leaves(self.inputs(batch))
-        return int(jnp.shape(leaves[0])[0]) if leaves and jnp.ndim(leaves[0]) else 1
+        return _leading_size(_array_leaves(self.inputs(batch)))
 
     def inputs(self, batch: Any) -> tuple[Any, ...]:
         """`batch` as the model's positional inputs (an array is one input), checked
@@ -240,7 +244,7 @@ class Observer:
         axis where iterations come first): state sized for the old ones (a tracker's
         neurons, per-channel statistics) cannot take others (a model that holds its
         variables can change them between calls: an NNX layer replaced by a wider one)."""
-        sample = int(self.sample[0].shape[0]) if self.sample and self.sample[0].shape else 1
+        sample = _leading_size(self.sample)
         avals = entry.avals(entry.plan.output_ids[: self.count])
         for name, was, now in zip(self.layers, self.shapes, avals, strict=False):
             fits = len(was) == len(now.shape) and all(  # the leading axis may be anything
