@@ -39,6 +39,7 @@ from ._core.program import SliceProgram
 from ._core.selection import resolver_of
 from ._errors import (
     LensKindError,
+    LensNotPicklableError,
     LensSitesSpecError,
     LensSweepAxisError,
     LensSweepEmptyError,
@@ -193,6 +194,17 @@ class Lens:
 
     def __repr__(self) -> str:
         return f"Lens({type(self._target).__name__}: {len(self.sites)} sites)"
+
+    # A lens keeps no state of its own between calls (as a jitted function keeps none):
+    # a copy is the lens itself. It holds a traced model, so it cannot be pickled.
+    def __copy__(self) -> Lens:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Lens:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise LensNotPicklableError()
 
     @property
     def target(self) -> Any:

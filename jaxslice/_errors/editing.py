@@ -233,6 +233,16 @@ class LensNotASiteError(InvalidSpecError):
     )
 
 
+class LensNotPicklableError(SliceError):
+    """A lens was pickled."""
+
+    TEMPLATE = (
+        "A lens holds a traced model and compiled programs, so it cannot be pickled. Save the "
+        "model's variables instead (e.g. with `flax.serialization` or orbax) and make the "
+        "lens again with `js.lens` after loading."
+    )
+
+
 class LensKindError(InputMismatchError):
     """An intervention keyword of a lens got something other than a dict of arrays."""
 

@@ -89,6 +89,16 @@ class NoBatchesError(InvalidSpecError):
     )
 
 
+class ObserverNotPicklableError(SliceError):
+    """A coverage tracker or activation statistics were pickled."""
+
+    TEMPLATE = (
+        "This {kind} holds a traced model and compiled steps, so it cannot be pickled. Save what "
+        "it measured instead (`result()` gives a dict, which pickles); to branch one off, "
+        "`copy.copy` gives a {kind} of the same model with its own copy of the state."
+    )
+
+
 class NaNProfileError(SliceError):
     """A profile gave NaN ranges: a profiling input, or the model on it, gave NaN."""
 

@@ -43,6 +43,7 @@ from .._errors import (
 from .._trees import is_traced_leaf
 from ..observe import GRANULARITIES, Moments, Observer, neuron_count, neurons, scaled
 from ..observe._observer import (
+    Observing,
     layer_units,
     over_units,
     per_iteration,
@@ -56,7 +57,7 @@ from ._result import CoverageResult, coverage_of, result_names
 _PROFILE, _UPDATE = 0, 1
 
 
-class Tracker:
+class Tracker(Observing):
     """Structural test coverage of a network over the batches it is updated with.
 
     Args:
@@ -77,6 +78,11 @@ class Tracker:
         options, criteria used before `profile` when they need one, batches that do not
         fit the model.
 
+    A copy (`copy.copy` or `copy.deepcopy`) tracks the same model with its own copy of
+    what was covered and seen (the profile too), so it can branch off: updating one
+    leaves the other as it was. The model, its traced program and the compiled steps are
+    shared, not copied. A tracker cannot be pickled; its `result()` can.
+
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxslice as js
     >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(4)])
     >>> x = jax.random.normal(jax.random.key(0), (16, 3))
@@ -88,6 +94,8 @@ class Tracker:
     >>> sorted(r), sorted(r["NC"]["layers"])
     (['KMNC', 'NC'], ['layers_0', 'layers_2'])
     """
+
+    STATE = ("_state", "_profile")
 
     def __init__(
         self,

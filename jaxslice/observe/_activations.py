@@ -11,7 +11,7 @@ from .. import _compat
 from .._errors import ChoiceError
 from .._table import PrintsAsTable
 from ._moments import Moments
-from ._observer import Observer, serialised
+from ._observer import Observer, Observing, serialised
 
 PER = ("tensor", "channel")
 STATS = ("mean", "std", "min", "max", "zero_fraction")
@@ -58,7 +58,7 @@ def _over_channels(stats: dict[str, Any]) -> dict[str, float]:
     }
 
 
-class ActivationStats:
+class ActivationStats(Observing):
     """Mean, std, min, max and fraction of exact zeros of chosen boundaries' outputs.
 
     Statistics stream over batches in one compiled call per batch shape and merge
@@ -71,6 +71,9 @@ class ActivationStats:
         (one per channel of the last axis).
       position: ``"output"``, or ``"activation"`` for the activation applied to it.
 
+    A copy (`copy.copy` or `copy.deepcopy`) observes the same model with its own copy of
+    the statistics so far; it cannot be pickled (its `result()` can).
+
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxslice as js
     >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(4)])
     >>> x = jax.random.normal(jax.random.key(0), (16, 3))
@@ -79,6 +82,8 @@ class ActivationStats:
     >>> 0.0 <= stats.result()["layers_0"]["zero_fraction"] <= 1.0
     True
     """
+
+    STATE = ("_acc",)
 
     def __init__(
         self,

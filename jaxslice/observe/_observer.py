@@ -40,6 +40,7 @@ from .._errors import (
     LayersSpecError,
     ModelChangedError,
     NoLayersError,
+    ObserverNotPicklableError,
 )
 from .._table import describe
 from .._trees import abstract, is_traced_leaf
@@ -149,6 +150,35 @@ def serialised(method: Callable[..., Any]) -> Callable[..., Any]:
             return method(self, *args, **kwargs)
 
     return one_at_a_time
+
+
+class Observing:
+    """Base of the objects that keep state which an `Observer`'s runs update (a coverage
+    tracker, activation statistics): the attributes named in `STATE`.
+
+    A copy (`copy.copy` or `copy.deepcopy`) observes the same model through the same
+    observer (its traced model and compiled steps are shared, not made again, and so is
+    its lock) with state of its own, copied to the host: the state an update donates
+    can then not be the original's. Pickling raises `ObserverNotPicklableError`.
+    """
+
+    STATE: tuple[str, ...] = ()
+    _observer: Observer
+
+    def __copy__(self) -> Any:
+        with self._observer.lock:
+            new = object.__new__(type(self))
+            new.__dict__.update(self.__dict__)
+            for name in self.STATE:
+                copied = jax.tree_util.tree_map(np.array, getattr(self, name))
+                setattr(new, name, copied)
+            return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return self.__copy__()
+
+    def __reduce__(self) -> Any:
+        raise ObserverNotPicklableError(kind=type(self).__name__)
 
 
 class Observer:
