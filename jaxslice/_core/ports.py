@@ -25,7 +25,8 @@ from typing import Any
 import jax
 
 from .._errors import EmptyEndError, EndSpecError, NoActivationError, StartSpecError
-from .graph import Call, Eqn, Graph, Slot
+from .activations import activation_of
+from .graph import Call, Graph, Slot
 from .markers import INPUT, OUTPUT
 from .selection import Name, Resolver, Selection, resolver_of
 
@@ -279,29 +280,8 @@ def _activation_port(graph: Graph, resolver: Resolver, spec: ActivationOf) -> Se
     vid = single_output_id(call)
     if vid is None:
         raise NoActivationError(name=spec.name.spec)
-    act = activation_of(graph, vid)
+    act = activation_of(graph, call, vid)
     synthetic = dataclasses.replace(
         call, out_tree=jax.tree_util.tree_structure(0), out_slots=[Slot(act)]
     )
     return Selection(spec.name.spec, synthetic, OUTPUT)
-
-
-def activation_of(graph: Graph, vid: int) -> int:
-    """The value an activation function makes of `vid`, or `vid` if none follows.
-
-    The activation is the first equation that reads `vid` and nothing else computed
-    (constants aside) and writes one value of the same shape: ``relu``, ``tanh``, ...
-    """
-    later = graph.eqns[graph.producer.get(vid, -1) + 1 :]
-    reader = next((e for e in later if vid in e.ins), None)
-    if reader is not None and _is_activation(graph, reader, vid):
-        return reader.outs[0]
-    return vid
-
-
-def _is_activation(graph: Graph, eqn: Eqn, vid: int) -> bool:
-    """Whether `eqn` maps `vid` alone (free values aside) to one value of its shape and dtype."""
-    if len(eqn.outs) != 1 or not all(v == vid or graph.is_free(v) for v in eqn.ins):
-        return False
-    out, aval = graph.avals[eqn.outs[0]], graph.avals[vid]
-    return getattr(out, "shape", None) == aval.shape and getattr(out, "dtype", None) == aval.dtype

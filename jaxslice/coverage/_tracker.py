@@ -3,7 +3,7 @@
 Neurons: a layer's output of shape (batch, ..., C) gives, per input, C neuron values
 (``granularity="channel"``: the mean over all axes but batch and the last) or one value
 per element (``"element"``). ``position="activation"`` observes the activation function
-applied to a layer's output (the first equation that maps it elementwise, e.g. ``relu``)
+applied to a layer's output, taken whole (GELU's several equations, ``h * sigmoid(h)``),
 instead of the output itself.
 
 Everything per batch (the model up to the last chosen layer, the neuron reduction and
