@@ -18,6 +18,7 @@ complement), it is the first equation of it that reads ``h``, if that gives a va
 from __future__ import annotations
 
 import heapq
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -37,8 +38,29 @@ def activation_of(graph: Graph, call: Call, vid: int) -> int:
     """The value the activation applied to `vid` (the output of `call`) makes of it, or
     `vid` where none follows (see the module's docstring)."""
     readers = _readers(graph)
-    shape = graph.avals[vid].shape
-    region, decided = {vid}, set()
+    inside = _elementwise_after(graph, call, vid)
+    outputs = {s.id for s in graph.out_slots}
+    computed = [out for e in sorted(inside) for out in graph.eqns[e].outs]
+    exits = [v for v in computed if v in outputs or not inside.issuperset(readers.get(v, ()))]
+    if len(exits) == 1 and jnp.issubdtype(graph.avals[exits[0]].dtype, jnp.inexact):
+        return exits[0]
+    return _first_step(graph, inside, vid)
+
+
+def _first_step(graph: Graph, inside: set[int], vid: int) -> int:
+    """Where the computation hands several values on (or none): the value of its first
+    equation that reads `vid`, if of `vid`'s dtype; else `vid`."""
+    first = min((e for e in inside if vid in graph.eqns[e].ins), default=None)
+    found = vid if first is None else graph.eqns[first].outs[0]
+    return found if graph.avals[found].dtype == graph.avals[vid].dtype else vid
+
+
+def _elementwise_after(graph: Graph, call: Call, vid: int) -> set[int]:
+    """The equations of the elementwise computation applied to `vid`, grown in program
+    order from its readers: an equation in the caller's own code joins alone, one in a
+    module the value goes into only with the whole module."""
+    readers = _readers(graph)
+    region, inside, decided = {vid}, set(), set()
     fixed: dict[int, bool] = {}
     todo = list(readers.get(vid, ()))
     heapq.heapify(todo)
@@ -49,48 +71,42 @@ def activation_of(graph: Graph, call: Call, vid: int) -> int:
         outer = _outer_call(graph, call, e)
         eqns = range(outer.start, outer.stop) if outer is not None else range(e, e + 1)
         decided.update(eqns)
-        # A module that does nothing but map the region elementwise joins whole.
-        joined, new = True, set()
-        for i in eqns:
-            eqn = graph.eqns[i]
-            computed = region | new
-            reads = [v in computed for v in eqn.ins]
-            if not any(reads):
-                continue  # a module's constant (its `0` for a relu), or nothing of h's
-            ok = (
-                len(eqn.outs) == 1
-                and getattr(graph.avals[eqn.outs[0]], "shape", None) == shape
-                and eqn.primitive not in _MIXING
-                and all(
-                    r or _is_fixed(graph, v, fixed, outer is None)
-                    for r, v in zip(reads, eqn.ins, strict=True)
-                )
-            )
-            if not ok:
-                joined = False
-                break
-            new.add(eqn.outs[0])
-        if not joined:
-            continue
-        region |= new
-        for v in new:
-            for r in readers.get(v, ()):
-                if r not in decided:
+        joined = _joined(graph, eqns, region, graph.avals[vid].shape, fixed, outer is None)
+        for k in joined or ():
+            inside.add(k)
+            region.update(graph.eqns[k].outs)
+            for v in graph.eqns[k].outs:
+                for r in readers.get(v, ()):
                     heapq.heappush(todo, r)
-    outputs = {s.id for s in graph.out_slots}
-    inside = {graph.producer[v] for v in region if v != vid}
-    exits = [
-        v
-        for v in region - {vid}
-        if v in outputs or any(r not in inside for r in readers.get(v, ()))
-    ]
-    if len(exits) == 1 and jnp.issubdtype(graph.avals[exits[0]].dtype, jnp.inexact):
-        return exits[0]
-    # Several values handed on: the first equation of the computation that reads `vid`.
-    first = min((i for i in inside if vid in graph.eqns[i].ins), default=None)
-    if first is not None and graph.avals[graph.eqns[first].outs[0]].dtype == graph.avals[vid].dtype:
-        return graph.eqns[first].outs[0]
-    return vid
+    return inside
+
+
+def _joined(
+    graph: Graph, eqns: range, region: set[int], shape: Any, fixed: dict[int, bool], own: bool
+) -> list[int] | None:
+    """The equations among `eqns` (all of a module's, or one of the caller's) that compute
+    from the region, if every one of them maps it elementwise to a value of its `shape`
+    (from values of the region and fixed ones; variables only in the caller's `own`
+    code); else None. Equations that compute from fixed values alone are constants (a
+    module's `0` for its relu)."""
+    joined, computed = [], set(region)
+    for k in eqns:
+        eqn = graph.eqns[k]
+        reads = [v in computed for v in eqn.ins]
+        if not any(reads):
+            continue
+        if not (
+            len(eqn.outs) == 1
+            and getattr(graph.avals[eqn.outs[0]], "shape", None) == shape
+            and eqn.primitive not in _MIXING
+            and all(
+                r or _is_fixed(graph, v, fixed, own) for r, v in zip(reads, eqn.ins, strict=True)
+            )
+        ):
+            return None
+        joined.append(k)
+        computed.add(eqn.outs[0])
+    return joined
 
 
 def _readers(graph: Graph) -> dict[int, list[int]]:

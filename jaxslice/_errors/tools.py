@@ -31,7 +31,8 @@ class BatchMismatchError(InputMismatchError):
 
     TEMPLATE = (
         "A batch must hold the model's inputs with the sample's non-batch shapes and dtypes "
-        "({sample}); got ({got})."
+        "({sample}); got ({got}). The inputs whose leading axis had the sample's batch size "
+        "share one batch size; the others keep the sample's shape."
     )
 
 
@@ -62,6 +63,57 @@ class CriteriaSpecError(InvalidSpecError):
     TEMPLATE = (
         "`criteria` must be a non-empty list of criteria such as js.coverage.NC(0.5), got "
         "{criteria!r}."
+    )
+
+
+class LayerBatchAxisError(InputMismatchError):
+    """A layer to observe has no batch axis where the observers read it."""
+
+    TEMPLATE = (
+        "Layer {name!r} outputs {shape} for the sample batch of {batch} inputs, so its axis "
+        "{axis} is not the batch axis, where the observers read each input's values from.\n"
+        "{fix}"
+    )
+
+
+class ObservedKeywordInputsError(InputMismatchError):
+    """An observer was made with array keyword inputs, which its batches cannot carry."""
+
+    TEMPLATE = (
+        "The model was given the array keyword inputs {names}, and an observer's batches "
+        "are the model's positional inputs (an array, or a tuple of them). Pass them "
+        "positionally, or observe a function that passes them on, e.g. "
+        "`js.coverage.Tracker(lambda v, x, m: model.apply(v, x, {first}=m), variables, x, m)`, "
+        "whose batches are then `(x, m)`."
+    )
+
+
+class ComplexOutputError(InvalidSpecError):
+    """Layers to observe output complex values."""
+
+    TEMPLATE = (
+        "These layers output complex values, and statistics and coverage are of real ones: "
+        "{names}. Observe the layer that takes their magnitude or real part, or leave them "
+        "out of the layers named."
+    )
+
+
+class RepeatedCriteriaError(InvalidSpecError):
+    """`criteria` holds one criterion more than once."""
+
+    TEMPLATE = (
+        "`criteria` holds {names} more than once; criteria with equal settings measure the "
+        "same thing (and would share one result name), so give each once."
+    )
+
+
+class NoArrayOutputError(InvalidSpecError):
+    """Layers to observe return no array."""
+
+    TEMPLATE = (
+        "These layers return no array (only Python values), so there is nothing to observe: "
+        "{names}. Leave them out of the layers named, or name the layer that computes what "
+        "they return."
     )
 
 
@@ -193,6 +245,16 @@ class SeedsOutOfBoundsError(InvalidSpecError):
     TEMPLATE = (
         "Some seeds lie outside `bounds` {bounds!r}; clip them first, e.g. "
         "np.clip(seeds, low, high)."
+    )
+
+
+class NotATrackerError(InvalidSpecError):
+    """`generate` was given something other than a coverage tracker."""
+
+    TEMPLATE = (
+        "`generate` searches for inputs against a coverage tracker, got {kind}: make one "
+        "with `js.coverage.Tracker(model, ..., criteria=[...])`, update it with the seeds, "
+        "and pass it."
     )
 
 

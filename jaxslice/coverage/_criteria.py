@@ -181,9 +181,10 @@ def is_number(x: Any, types: type | tuple[type, ...]) -> bool:
 
 
 def check_int(name: str, k: Any) -> int:
-    if not is_number(k, int) or k < 1:
+    """`k` as a Python int (NumPy integers taken too), if it is a positive integer."""
+    if not is_number(k, (int, np.integer)) or k < 1:
         raise PositiveIntegerError(name=name, value=k)
-    return k
+    return int(k)
 
 
 class NC(_Flags):
@@ -204,7 +205,10 @@ class NC(_Flags):
     needs_scaled = True
 
     def __init__(self, threshold: float = 0.5):
-        if not is_number(threshold, (int, float)) or not 0 <= threshold < 1:
+        if (
+            not is_number(threshold, (int, float, np.integer, np.floating))
+            or not 0 <= threshold < 1
+        ):
             raise ThresholdError(threshold=threshold)
         self.threshold = float(threshold)
 

@@ -30,6 +30,7 @@ from .._errors import (
     BoundsSpecError,
     KeySpecError,
     NoFloatSeedsError,
+    NotATrackerError,
     PositiveCountError,
     PositiveNumberError,
     SeedsOutOfBoundsError,
@@ -135,6 +136,8 @@ def generate(
     >>> bool((found.distances <= 0.5).all())
     True
     """
+    if not all(hasattr(tracker, a) for a in ("criteria", "names", "states", "run_layers")):
+        raise NotATrackerError(kind=type(tracker).__name__)
     crit_index = _criterion_index(tracker, criterion)
     crit = tracker.criteria[crit_index]
     # (group, n1, n2) not covered yet; a criterion `generate` cannot search for raises here
@@ -149,7 +152,7 @@ def generate(
 
     rng = np.random.default_rng(_seed_of(key))
     plan = []
-    if requirements:
+    if requirements and count:
         values, reach = _seed_reach(tracker, leaves, treedef, moving, (eps, low, high), rng)
         plan = _plan(crit, count, requirements, rng, values, reach)
 
@@ -217,9 +220,18 @@ def _bounds(bounds: Any, leaves: list[np.ndarray], moving: list[bool]) -> tuple[
         return np.float32(-np.inf), np.float32(np.inf)
     if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2):
         raise BoundsSpecError(bounds=bounds)
-    low, high = (np.asarray(b, np.float32) for b in bounds)
+    try:
+        low, high = (np.asarray(b, np.float32) for b in bounds)
+    except (TypeError, ValueError):  # not numbers
+        raise BoundsSpecError(bounds=bounds) from None
     if np.any(np.isnan(low)) or np.any(np.isnan(high)) or np.any(low >= high):
         raise BoundsOrderError(bounds=bounds)
+    _check_inside(bounds, low, high, leaves, moving)
+    return low, high
+
+
+def _check_inside(bounds: Any, low: Any, high: Any, leaves: list[Any], moving: list[bool]) -> None:
+    """The seeds' moving leaves lie inside `bounds` (which broadcast to them)."""
     for x, move in zip(leaves, moving, strict=True):
         if not move:
             continue
@@ -229,14 +241,13 @@ def _bounds(bounds: Any, leaves: list[np.ndarray], moving: list[bool]) -> tuple[
             raise BoundsShapeError(low=low.shape, high=high.shape, shape=x.shape) from None
         if not inside.all():
             raise SeedsOutOfBoundsError(bounds=bounds)
-    return low, high
 
 
 def _seed_of(key: Any) -> Any:
     if key is None:
         return 0
     if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-        return int(key)
+        return int(key) % 2**64  # as its 64 bits (NumPy's generators take no negative seed)
     try:
         data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
         return [int(v) for v in np.asarray(data).ravel()]

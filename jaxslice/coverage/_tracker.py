@@ -38,19 +38,13 @@ from .._errors import (
     NaNProfileError,
     NoBatchesError,
     ProfileNeededError,
+    RepeatedCriteriaError,
     ScalarLayersError,
 )
 from .._trees import is_traced_leaf
 from ..observe import GRANULARITIES, Moments, Observer, neuron_count, neurons, scaled
-from ..observe._observer import (
-    Observing,
-    layer_units,
-    over_units,
-    per_iteration,
-    serialised,
-    to_layers,
-    to_units,
-)
+from ..observe._observer import Observing, serialised
+from ..observe._units import layer_units, over_units, per_iteration, to_layers, to_units
 from ._criteria import KMNC, NBC, NC, SNAC, TKNC, Criterion
 from ._result import CoverageResult, coverage_of, result_names
 
@@ -66,11 +60,13 @@ class Tracker(Observing):
         ``model, x`` for NNX). Keywords such as ``train=False`` fix the mode.
       criteria: criterion objects; default NC(0.5), KMNC(10), NBC, SNAC, TKNC(2).
       layers: boundary names to observe (taken in call order); default every module with
-        parameters of its own. Iterations of a scanned stack are named as for slices:
-        ``layers[2]/mlp`` is one, and ``layers[:]/mlp`` is one layer per iteration
-        (``layers[0]/mlp``, ``layers[1]/mlp``, ..., in call order among the others),
-        observed from the one loop as the model runs it.
-      granularity: ``"channel"`` or ``"element"``.
+        parameters of its own outside loops whose output is batched like the inputs.
+        Iterations of a scanned stack are named as for slices: ``layers[2]/mlp`` is
+        one, and ``layers[:]/mlp`` is one layer per iteration (``layers[0]/mlp``,
+        ``layers[1]/mlp``, ..., in call order among the others), observed from the one
+        loop as the model runs it. A layer returning several arrays is observed at its
+        first.
+      granularity: ``"channel"`` (the last axis: channels-last) or ``"element"``.
       position: ``"output"`` (the layer's output) or ``"activation"``.
 
     Raises:
@@ -130,7 +126,14 @@ class Tracker(Observing):
         # The batch sizes each step was compiled for; a batch of a new size is padded to
         # the smallest of them that holds it (the update's only where every criterion
         # masks rows).
-        self._pads = all(c.masks_rows for c in self.criteria)
+        # A model that updates state as it runs (BatchNorm in training mode) normalises a
+        # batch with its own statistics: a padding row would change the others, so its
+        # batches run at their own size.
+        rows_apart = not self._observer.updates_state
+        self._pads = {
+            _PROFILE: rows_apart,
+            _UPDATE: rows_apart and all(c.masks_rows for c in self.criteria),
+        }
         self._compiled: dict[int, set[int]] = {_PROFILE: set(), _UPDATE: set()}
         self.reset()
 
@@ -178,7 +181,7 @@ class Tracker(Observing):
             n = self.batch_size(batch)
             if n == 0:
                 continue  # an empty batch has no range
-            batch = self._compiled_size(_PROFILE, batch, n, True)
+            batch = self._compiled_size(_PROFILE, batch, n)
             acc = self._observer.run(_PROFILE, batch, self._profile_step, acc, np.int32(n))
             seen = True
         if not seen:
@@ -212,7 +215,7 @@ class Tracker(Observing):
                     kind=type(crit).__name__,
                     suggested=2 * (self._seen + n),
                 )
-        batch = self._compiled_size(_UPDATE, batch, n, self._pads)
+        batch = self._compiled_size(_UPDATE, batch, n)
         state, profile = self._state, self._profile
         # The state is donated: the update writes the history of the pair criteria in place.
         self._state = self._observer.run(
@@ -322,13 +325,15 @@ class Tracker(Observing):
 
     # ------------------------------------------------------------------ steps
 
-    def _compiled_size(self, step: int, batch: Any, n: int, pads: bool) -> Any:
+    def _compiled_size(self, step: int, batch: Any, n: int) -> Any:
         """`batch` (of `n` inputs) padded to the smallest size `step` was compiled for that
-        holds it (as it is where none does, or without `pads`)."""
+        holds it (as it is where none does, or where the step does not pad)."""
         sizes = self._compiled[step]
-        size = min((s for s in sizes if s >= n), default=n) if pads and n else n
+        size = min((s for s in sizes if s >= n), default=n) if self._pads[step] and n else n
         sizes.add(size)
-        return _padded(self.inputs(batch), n, size) if size > n else batch
+        if size == n:
+            return batch
+        return _padded(self.inputs(batch), self._observer.batched, n, size)
 
     def _grouped(self) -> list[tuple[Any, list[Criterion]]]:
         return [(family, [self.criteria[i] for i in members]) for family, members in self._groups]
@@ -440,12 +445,14 @@ def _groups(criteria: list[Criterion]) -> list[tuple[Any, list[int]]]:
     return groups
 
 
-def _padded(inputs: tuple[Any, ...], n: int, size: int) -> tuple[Any, ...]:
+def _padded(inputs: tuple[Any, ...], batched: list[bool], n: int, size: int) -> tuple[Any, ...]:
     """`inputs` (a batch of `n`) with `size - n` copies of the last input after them, on
-    the host: a copy is an input the model takes, and a new size compiles nothing."""
+    the host, in the leaves that have a batch axis (`batched`, per array leaf): a copy is
+    an input the model takes, and a new size compiles nothing."""
+    flags = iter(batched)
 
     def pad(x: Any) -> Any:
-        if not is_traced_leaf(x) or np.ndim(x) == 0 or np.shape(x)[0] != n:
+        if not is_traced_leaf(x) or not next(flags):
             return x
         x = np.asarray(x)
         return np.concatenate([x, np.repeat(x[-1:], size - n, axis=0)])
@@ -457,10 +464,15 @@ def _checked_criteria(criteria: Sequence[Criterion] | None) -> list[Criterion]:
     """`criteria` as a list (by default NC(0.5), KMNC(10), NBC, SNAC and TKNC(2)), checked."""
     if criteria is None:
         return [NC(0.5), KMNC(10), NBC(), SNAC(), TKNC(2)]
+    if isinstance(criteria, Criterion) or not isinstance(criteria, Iterable):
+        raise CriteriaSpecError(criteria=criteria)  # one criterion: a list of it is meant
     criteria = list(criteria)
     bad = [c for c in criteria if not isinstance(c, Criterion)]
     if not criteria or bad:
         raise CriteriaSpecError(criteria=bad or criteria)
+    repeated = [c for i, c in enumerate(criteria) if c in criteria[:i]]
+    if repeated:
+        raise RepeatedCriteriaError(names=", ".join(map(repr, dict.fromkeys(repeated))))
     return criteria
 
 

@@ -66,7 +66,9 @@ class ActivationStats(Observing):
 
     Args:
       target, *args, **kwargs: the model and sample inputs, as for `js.slice`.
-      names: boundaries to observe (default: every module with parameters of its own).
+      names: boundaries to observe (default: every module with parameters of its own
+        outside loops whose output is batched like the inputs); a layer returning
+        several arrays is observed at its first.
       per: ``"tensor"`` (one figure per boundary, over all elements) or ``"channel"``
         (one per channel of the last axis).
       position: ``"output"``, or ``"activation"`` for the activation applied to it.
@@ -103,12 +105,16 @@ class ActivationStats(Observing):
 
     @serialised
     def reset(self) -> None:
-        shape = lambda s: () if self.per == "tensor" else (s[-1] if s else 1,)  # noqa: E731
+        # per channel: the last axis, or one channel where there is none but the batch
+        shape = lambda s: () if self.per == "tensor" else (s[-1] if len(s) > 1 else 1,)  # noqa: E731
         self._acc = [Moments.empty(shape(s)) for s in self._observer.shapes]
 
     @serialised
     def update(self, batch: Any) -> None:
-        """Adds a batch (an array, or a tuple of the model's inputs)."""
+        """Adds a batch (an array, or a tuple of the model's inputs); an empty one adds
+        nothing."""
+        if self._observer.batch_size(batch) == 0:
+            return
         self._acc = self._observer.run(0, batch, self._step, self._acc)
 
     def _step(self, outputs: Any) -> Any:
@@ -117,7 +123,9 @@ class ActivationStats(Observing):
         def step(v: Any, r: Any, x: Any, acc: list[Moments]) -> list[Moments]:
             outs = outputs(v, r, x)
             flat = [
-                o.reshape(-1) if per == "tensor" else o.reshape(-1, o.shape[-1] if o.ndim else 1)
+                o.reshape(-1)
+                if per == "tensor"
+                else o.reshape(-1, o.shape[-1] if o.ndim > 1 else 1)
                 for o in outs
             ]
             return [m.merge(Moments.of(f)) for m, f in zip(acc, flat, strict=True)]

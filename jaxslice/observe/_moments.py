@@ -67,7 +67,10 @@ class Moments(NamedTuple):
         safe = jnp.where(n > 0, n, 1.0)
         delta = other.mean - self.mean
         mean = self.mean + delta * other.count / safe
-        m2 = self.m2 + other.m2 + delta**2 * self.count * other.count / safe
+        # (0 where either side is empty: a huge mean squared would overflow, and inf · 0
+        # is NaN)
+        both = (self.count > 0) & (other.count > 0)
+        m2 = self.m2 + other.m2 + jnp.where(both, delta**2 * self.count * other.count / safe, 0.0)
         return Moments(
             n,
             mean,

@@ -15,9 +15,7 @@ slices read them, so an observer follows the model as it trains.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -30,16 +28,20 @@ import numpy as np
 from .. import _compat
 from .._core.markers import OUTPUT
 from .._core.names import STACKED
-from .._core.ports import ActivationOf, single_output_id
+from .._core.ports import ActivationOf, array_ids, single_output_id
 from .._core.program import SliceProgram
 from .._core.selection import Name, Selection, resolver_of
 from .._core.trace import Traced, trace
 from .._errors import (
     BatchMismatchError,
     ChoiceError,
+    ComplexOutputError,
+    LayerBatchAxisError,
     LayersSpecError,
     ModelChangedError,
+    NoArrayOutputError,
     NoLayersError,
+    ObservedKeywordInputsError,
     ObserverNotPicklableError,
 )
 from .._table import describe
@@ -99,6 +101,41 @@ def _matches(x: Any, sample: Any) -> bool:
         sample.shape[1:]
     )
     return same_shape and jnp.result_type(x) == sample.dtype
+
+
+def _batch_form(split: Any) -> tuple[list[Any], list[bool]]:
+    """What a batch holds: the sample's positional input leaves (abstract), and which of
+    them have a batch axis, those whose leading axis has the batch size (the first
+    leaf's); the others (a per-feature mask) are fixed. Array keyword inputs, which a
+    batch cannot carry, are refused."""
+    keywords = [k for k, v in split.kwargs.items() if _array_leaves(v)]
+    if keywords:
+        raise ObservedKeywordInputsError(names=", ".join(map(repr, keywords)), first=keywords[0])
+    sample = [abstract(x) for x in _array_leaves(split.args)]
+    size = _leading_size(sample)
+    return sample, [bool(x.shape) and x.shape[0] == size for x in sample]
+
+
+def _first_arrays(layers: list[str], base: Any) -> tuple[list[int], list[Any]]:
+    """Where each end's first array is among the program's outputs, and its aval: a
+    layer whose output has several arrays (a block's ``(h, aux)``) is observed at its
+    first, as a lens reads such a value. Layers without arrays, or with complex ones,
+    are refused."""
+    trees = base.plan.output_trees.values()
+    counts = [len(array_ids(jax.tree_util.tree_leaves(t))) for t in trees]
+    if 0 in counts:
+        none = [n for n, c in zip(layers, counts, strict=False) if not c]
+        raise NoArrayOutputError(names=", ".join(map(repr, none)))
+    firsts = [sum(counts[:k]) for k in range(len(counts))]
+    avals = [base.traced.graph.avals[base.plan.output_ids[i]] for i in firsts]
+    complex_ = [
+        n
+        for n, a in zip(layers, avals, strict=False)
+        if jnp.issubdtype(a.dtype, jnp.complexfloating)
+    ]
+    if complex_:
+        raise ComplexOutputError(names=", ".join(map(repr, complex_)))
+    return firsts, avals
 
 
 def _describe_leaves(leaves: Sequence[Any]) -> str:
@@ -202,25 +239,50 @@ class Observer:
             raise ChoiceError(option="position", choices=POSITIONS, value=position)
         traced = trace(target, args, kwargs, adapter=adapter_for(target))
         self.target = target
-        chosen = default_layers(traced) if layers is None else layers
-        #: the layers as given (in call order) and each one's record, resolved once
-        self.layers, self.records = _ordered_layers(traced, chosen)
-        pairs = list(zip(self.layers, self.records, strict=True))
-        ends: dict[Any, Any] = {n: _END_AT[position](where) for n, where in pairs}
-        if also_outputs and position != "output":
-            ends.update({(n, "output"): where for n, where in pairs})
-        self.count = len(ends)
         split = traced.split
-        self.program = program = SliceProgram(traced, None, ends)
+        self.sample, self.batched = _batch_form(split)
+        self._observe(traced, layers, position, also_outputs)
+        program = self.program
         # Where the model holds its variables' values (Keras), they are read from it at
         # each batch (`Adapter.variables_view`); else the model's arrays are kept, taken
         # before the program drops them.
         self.variables_view = program.adapter.variables_view(program.target, program.variables)
         self.variables = split.variables if self.variables_view is None else None
         self.rngs = split.rngs
-        self.sample = [abstract(x) for x in _array_leaves((split.args, split.kwargs))]
-        base = self.program.base
-        self.shapes = [tuple(base.traced.graph.avals[i].shape) for i in base.plan.output_ids]
+
+    def _observe(
+        self, traced: Traced, layers: Sequence[str] | None, position: str, also_outputs: bool
+    ) -> None:
+        """The layers and the program to them: those named, or by default the modules
+        with parameters whose outputs are batched like the inputs."""
+        self._build(
+            traced, default_layers(traced) if layers is None else layers, position, also_outputs
+        )
+        unbatched = self._unbatched()
+        if unbatched and layers is None and len(unbatched) < len(self.layers):
+            kept = [n for n in self.layers if n not in unbatched]
+            self._build(traced, kept, position, also_outputs)
+        elif unbatched:
+            self._refuse_unbatched(unbatched[0])
+
+    def _build(self, traced: Traced, chosen: Any, position: str, also_outputs: bool) -> None:
+        """The program to the layers `chosen` and what it observes of each."""
+        #: the layers as given (in call order) and each one's record, resolved once
+        self.layers, self.records = _ordered_layers(traced, chosen)
+        pairs = list(zip(self.layers, self.records, strict=True))
+        ends: dict[Any, Any] = {n: _END_AT[position](where) for n, where in pairs}
+        if also_outputs and position != "output":
+            ends.update({(n, "output"): where for n, where in pairs})
+        self.program = SliceProgram(traced, None, ends)
+        self.firsts, avals = _first_arrays(self.layers, self.program.base)
+        self.shapes = [tuple(a.shape) for a in avals]
+
+    @property
+    def updates_state(self) -> bool:
+        """Whether the model, as traced, computes new values of state it holds (BatchNorm
+        statistics in training mode): such a model mixes the rows of a batch."""
+        graph = self.program.base.traced.graph
+        return any(v not in graph.variable_set for v in graph.state_ids)
 
     def batch_size(self, batch: Any) -> int:
         """How many inputs `batch` holds (checked as `inputs` does)."""
@@ -231,7 +293,14 @@ class Observer:
         against the sample inputs' non-batch shapes and dtypes."""
         args = batch if isinstance(batch, tuple) else (batch,)
         leaves = _array_leaves(args)
-        if len(leaves) != len(self.sample) or not all(map(_matches, leaves, self.sample)):
+        ok = len(leaves) == len(self.sample) and all(map(_matches, leaves, self.sample))
+        if ok:  # one batch size; fixed inputs as in the sample
+            rows = list(zip(leaves, self.sample, self.batched, strict=True))
+            sizes = {jnp.shape(x)[0] for x, _, b in rows if b}
+            ok = len(sizes) <= 1 and all(
+                tuple(jnp.shape(x)) == s.shape for x, s, b in rows if not b
+            )
+        if not ok:
             raise BatchMismatchError(
                 sample=_describe_leaves(self.sample), got=_describe_leaves(leaves)
             )
@@ -258,15 +327,49 @@ class Observer:
         steps = entry.__dict__.setdefault("observer_steps", {})
         step = steps.get(key)
         if step is None:
-            n = self.count
+            firsts = self.firsts
             self._check_outputs(entry, self.batch_size(batch))
 
             def outputs(v: list[Any], r: list[Any], x: list[Any], _fn: Any = entry.fn) -> list[Any]:
-                return _fn(v, r, x)[:n]
+                outs = _fn(v, r, x)
+                return [outs[i] for i in firsts]
 
             donated = tuple(3 + i for i in donate)  # after the variable, key and input leaves
             step = steps[key] = jax.jit(make_step(outputs), donate_argnums=donated)
         return step(var_leaves, rng_leaves, leaves, *state)
+
+    def _unbatched(self) -> list[str]:
+        """The layers whose outputs lack the sample's batch size on their batch axis (the
+        first after a stack's iterations): a model that takes one example (an Equinox
+        module) or a layer that splits the batch (inside `nn.vmap`) would give the values
+        of other inputs than the batch's."""
+        batch = _leading_size(self.sample)
+        return [
+            name
+            for name, where, shape in zip(self.layers, self.records, self.shapes, strict=False)
+            if not (len(shape) > len(where.depths) and shape[len(where.depths)] == batch)
+        ]
+
+    def _refuse_unbatched(self, name: str) -> None:
+        k = self.layers.index(name)
+        if type(self.program.adapter).__name__ == "EquinoxAdapter":
+            fix = (
+                "An Equinox module takes one example: observe a function that vmaps it, "
+                "e.g. `js.coverage.Tracker(lambda m, x: jax.vmap(m)(x), model, x)` (or "
+                "`eqx.filter_vmap(model)`), with a batch of examples."
+            )
+        else:
+            fix = (
+                "Observe layers whose outputs are batched like the model's inputs (batch "
+                "first), or give a batched sample if this one is a single example."
+            )
+        raise LayerBatchAxisError(
+            name=name,
+            shape=list(self.shapes[k]),
+            batch=_leading_size(self.sample),
+            axis=len(self.records[k].depths),
+            fix=fix,
+        )
 
     def _check_outputs(self, entry: Any, batch: int) -> None:
         """The layers' outputs at a new input shape have the shapes the observer was
@@ -275,7 +378,7 @@ class Observer:
         neurons, per-channel statistics) cannot take others (a model that holds its
         variables can change them between calls: an NNX layer replaced by a wider one)."""
         sample = _leading_size(self.sample)
-        avals = entry.avals(entry.plan.output_ids[: self.count])
+        avals = entry.avals([entry.plan.output_ids[i] for i in self.firsts])
         for name, was, now in zip(self.layers, self.shapes, avals, strict=False):
             fits = len(was) == len(now.shape) and all(  # the leading axis may be anything
                 k == 0 or a == b or (a == sample and b == batch)
@@ -300,107 +403,13 @@ def _ordered_layers(traced: Traced, layers: Any) -> tuple[list[str], list[Select
     records = {name: resolver.select(Name.of(name), OUTPUT) for name in dict.fromkeys(layers)}
     if not records:
         raise NoLayersError()
-    ordered = sorted(records.items(), key=lambda item: _call_order(item[1]))
+    ordered = sorted(records.items(), key=lambda item: call_order(item[1]))
     return [name for name, _ in ordered], [where for _, where in ordered]
 
 
-def _call_order(where: Selection) -> tuple[Any, ...]:
+def call_order(where: Selection) -> tuple[Any, ...]:
     """A key that sorts records in call order: an iteration of a call inside a scan by
     the loop, then the iteration, then the call within the body; a stacked ``[:]``
     before the loop's single iterations."""
     iterations = tuple(-1 if k == STACKED else k for k in where.path)
     return (where.call.start, iterations, where.call.in_seq)
-
-
-def per_iteration(observer: Observer) -> list[tuple[str, int, tuple[int, ...]]]:
-    """The observer's layers with every stacked record (``layers[:]/mlp``) written out as
-    one layer per iteration (``layers[0]/mlp``, ..., named by `Selection.end_name`), all
-    in call order, each record once (a name given as is): ``(name, index of the observed
-    output, index of the iteration's row in it)``."""
-    rows: dict[Selection, tuple[str, tuple[Any, ...], int, tuple[int, ...]]] = {}
-    for index, (name, where) in enumerate(zip(observer.layers, observer.records, strict=True)):
-        stacked = where.depths
-        if not stacked:
-            rows.setdefault(where, (name, _call_order(where), index, ()))
-            continue
-        for picked in itertools.product(*(range(n) for n in where.lengths)):
-            path = list(where.path)
-            for d, k in zip(stacked, picked, strict=True):
-                path[d] = k
-            one = dataclasses.replace(where, path=tuple(path))
-            rows.setdefault(one, (one.end_name, _call_order(one), index, picked))
-    ordered = sorted(rows.values(), key=lambda row: row[1])
-    return [(name, index, picked) for name, _, index, picked in ordered]
-
-
-@dataclasses.dataclass(frozen=True)
-class Unit:
-    """Layers of `per_iteration`'s rows that a step handles together: every iteration of
-    a stacked output (``row`` None; its `depth` leading axes flattened into one, which a
-    function is vmapped over), or one layer (its ``row`` of the output, ``()`` for all of
-    it). `positions`: where its layers are among the rows, in the order of the iterations."""
-
-    index: int
-    positions: tuple[int, ...]
-    row: tuple[int, ...] | None
-    depth: int = 0
-
-    def array(self, outs: list[Any]) -> Any:
-        """The unit's part of the observed outputs `outs`: (iterations, batch, ...) for a
-        stack, (batch, ...) for one layer."""
-        out = outs[self.index]
-        if self.row is None:
-            return out.reshape((-1, *out.shape[self.depth :]))
-        return out[self.row] if self.row else out
-
-    def batch(self, array: Any) -> int:
-        """The number of batch rows of `array`, the unit's part of an observed output."""
-        return array.shape[0 if self.row is not None else 1]
-
-
-def layer_units(observer: Observer, rows: list[tuple[str, int, tuple[int, ...]]]) -> list[Unit]:
-    """`rows` (as `per_iteration` gives them) as units: one per stacked output whose
-    iterations are all rows, one per other row."""
-    position = {(index, row): p for p, (_, index, row) in enumerate(rows)}
-    units = []
-    for index, where in enumerate(observer.records):
-        picked = itertools.product(*(range(n) for n in where.lengths)) if where.depths else ()
-        positions = [position.get((index, row)) for row in picked]
-        if positions and None not in positions:
-            units.append(Unit(index, tuple(positions), None, len(where.depths)))
-    stacked = {p for unit in units for p in unit.positions}
-    alone = [Unit(i, (p,), row) for p, (_, i, row) in enumerate(rows) if p not in stacked]
-    return units + alone
-
-
-def over_units(fn: Callable[..., Any], units: list[Unit], *per_unit: list[Any]) -> list[Any]:
-    """``fn(*args)`` for each unit, vmapped over a stack's iterations: `per_unit` are lists
-    with an entry (a pytree, or None) per unit, a stack's with the iterations first."""
-    return [
-        fn(*args) if u.row is not None else jax.vmap(fn)(*args)
-        for u, *args in zip(units, *per_unit, strict=True)
-    ]
-
-
-def to_units(units: list[Unit], per_layer: list[Any]) -> list[Any]:
-    """Entries (pytrees of arrays) per row as entries per unit, a stack's iterations
-    stacked on the host (NumPy: nothing compiles)."""
-    stack = lambda *arrays: np.stack(arrays)  # noqa: E731
-    return [
-        per_layer[u.positions[0]]
-        if u.row is not None
-        else jax.tree_util.tree_map(stack, *(per_layer[p] for p in u.positions))
-        for u in units
-    ]
-
-
-def to_layers(units: list[Unit], per_unit: list[Any]) -> list[Any]:
-    """Entries per unit (a stack's with the iterations first) as one entry per row."""
-    out: list[Any] = [None] * sum(len(u.positions) for u in units)
-    for u, entry in zip(units, per_unit, strict=True):
-        if u.row is not None:
-            out[u.positions[0]] = entry
-            continue
-        for k, p in enumerate(u.positions):
-            out[p] = jax.tree_util.tree_map(lambda a, k=k: a[k], entry)
-    return out
