@@ -125,10 +125,9 @@ class Tracker(Observing):
         self._profile: list[Moments] | None = None  # per unit
         # The batch sizes each step was compiled for; a batch of a new size is padded to
         # the smallest of them that holds it (the update's only where every criterion
-        # masks rows).
-        # A model that updates state as it runs (BatchNorm in training mode) normalises a
-        # batch with its own statistics: a padding row would change the others, so its
-        # batches run at their own size.
+        # masks rows), except for a model that updates state as it runs (BatchNorm in
+        # training mode): it normalises a batch with its own statistics, so a padding
+        # row would change the others, and its batches run at their own size.
         rows_apart = not self._observer.updates_state
         self._pads = {
             _PROFILE: rows_apart,

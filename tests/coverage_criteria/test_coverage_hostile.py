@@ -110,11 +110,20 @@ def test_generate_takes_a_negative_int_key_and_refuses_bad_bounds_or_trackers(pa
 
 
 class Masked(nn.Module):
-    """x (batch, 4) and a per-feature mask (6,) that has no batch axis."""
+    """x (batch, 4) and a mask on a's 6 features: per feature (6,), with no batch axis,
+    or per input (batch, 6)."""
 
     @nn.compact
     def __call__(self, x, mask):
         return nn.Dense(3, name="b")(nn.Dense(6, name="a")(x) * mask)
+
+
+def _top1_of_a(variables, x):
+    """TKNC(1) of layer `a` over `x`, by hand: the neurons that are some input's largest."""
+    a = np.asarray(nn.Dense(6).apply({"params": variables["params"]["a"]}, x))
+    top = np.zeros(6, bool)
+    top[np.argmax(a, axis=1)] = True
+    return top
 
 
 def test_an_input_without_a_batch_axis_is_not_padded_and_sizes_must_agree():
@@ -124,10 +133,7 @@ def test_an_input_without_a_batch_axis_is_not_padded_and_sizes_must_agree():
     tracker = C.Tracker(model, variables, X, mask, layers=["a"], criteria=[C.TKNC(1)])
     tracker.update((X, mask))
     tracker.update((X[:6], mask))  # padded to 8 inside; the mask is not padded
-    a = np.asarray(nn.Dense(6).apply({"params": variables["params"]["a"]}, X))
-    top = np.zeros(6, bool)
-    top[np.argmax(a, axis=1)] = True  # TKNC(1): each input's largest neuron, by hand
-    np.testing.assert_array_equal(np.asarray(tracker.states[0][0]), top)
+    np.testing.assert_array_equal(np.asarray(tracker.states[0][0]), _top1_of_a(variables, X))
     with pytest.raises(js.InputMismatchError, match="keep the sample's shape"):
         tracker.update((X, mask[:4]))
 
@@ -147,14 +153,8 @@ def test_inputs_of_different_batch_sizes_are_refused():
         tracker.update((X[:1], b))  # the model would broadcast: 8 rows, not 1
 
 
-class KeywordMask(nn.Module):
-    @nn.compact
-    def __call__(self, x, mask):
-        return nn.Dense(3, name="b")(nn.Dense(6, name="a")(x) * mask)
-
-
 def test_array_keyword_inputs_say_how_to_pass_them():
-    model = KeywordMask()
+    model = Masked()
     mask = np.ones((8, 6), np.float32)
     variables = random_variables(model, X, mask)  # positionally: the same variables
     for make in (
@@ -168,7 +168,4 @@ def test_array_keyword_inputs_say_how_to_pass_them():
         lambda v, x, m: model.apply(v, x, mask=m), variables, X, mask, criteria=[C.TKNC(1)]
     )
     tracker.update((X[:5], mask[:5]))
-    a = np.asarray(nn.Dense(6).apply({"params": variables["params"]["a"]}, X[:5]))
-    top = np.zeros(6, bool)
-    top[np.argmax(a, axis=1)] = True
-    np.testing.assert_array_equal(np.asarray(tracker.states[0][0]), top)
+    np.testing.assert_array_equal(np.asarray(tracker.states[0][0]), _top1_of_a(variables, X[:5]))

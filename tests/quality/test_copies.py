@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import pickle
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -20,23 +19,16 @@ import pytest
 import jaxslice as js
 
 from helpers.coverage_reference import Spec, assert_result, ref_result
+from helpers.models import CoverageMLP
 from helpers.oracles import captured, random_variables
 
 C = js.coverage
 LAYERS = ["fc1", "fc2", "head"]
 
 
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(6, name="fc1")(x))
-        x = nn.relu(nn.Dense(5, name="fc2")(x))
-        return nn.Dense(3, name="head")(x)
-
-
 @pytest.fixture(scope="module")
 def mlp():
-    model = MLP()
+    model = CoverageMLP()
     a, b, c = (jax.random.normal(jax.random.key(k), (8, 4)) for k in range(3))
     return model, random_variables(model, a), (a, b, c)
 
