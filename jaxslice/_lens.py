@@ -37,6 +37,7 @@ from ._core.evaluate import evaluate as evaluate_graph
 from ._core.markers import OUTPUT
 from ._core.program import SliceProgram
 from ._core.selection import resolver_of
+from ._core.variables import merge as merge_variables
 from ._errors import (
     LensKindError,
     LensNotPicklableError,
@@ -48,7 +49,7 @@ from ._errors import (
 from ._interpreter import variable_values
 from ._lens_run import LensHooks, first_row, intervention, placed, probe
 from ._lens_sites import Site, Sites, counted
-from ._trees import path_str
+from ._trees import nest, path_str
 from .adapters import adapter_for
 
 KINDS = ("scale", "add", "set")  # applied at a site in this order
@@ -97,20 +98,26 @@ class Lens:
         """`keep_variables`: whether calls without variables use the model's given here
         (`js.intermediates`, which passes them at each call, keeps only their shapes)."""
         adapter = adapter_for(target)
+        if adapter.holds_values:  # traced with the state a call updates (`_write_back`)
+            kwargs = {"mutable": True, **kwargs}
         self._program = program = SliceProgram.build(target, args, kwargs, adapter=adapter)
         self._target = target
         self._adapter = adapter
         self._rngs = program.base.traced.split.rngs
-        self._view = program.variables_view
-        held = adapter.holds_variables or self._view is not None
-        given = None if held else adapter.split(target, args, kwargs).variables
+        # The lens runs the whole graph, so it reads every variable the model has, not
+        # only those its output needs (a program keeps those alone); a model that holds
+        # their values (Keras) is read at each call.
+        given = None if adapter.holds_variables else adapter.split(target, args, kwargs).variables
+        self._view = None if given is None else adapter.variables_view(target, given)
+        if self._view is not None:
+            given = None
         self._variables = given if keep_variables else None
         graph = program.base.traced.graph
         if adapter.holds_variables:
             own = _LIVE
         else:
             own = given if self._view is None else self._view()
-        seen = probe(graph, self._values_of(program.base, own))
+        seen = probe(graph, self._values_of(program.base, own, self._rngs))
         self._sites = Sites(resolver_of(graph), sites, seen)
         self.sites: dict[str, Site] = self._sites.by_name
         #: every call's output the hooks see (in counted loops), for `whole_values`
@@ -128,7 +135,10 @@ class Lens:
         **kwargs: Any,
     ) -> Any:
         """Runs the model on `inputs` (and keyword inputs, or a new mode such as
-        ``train=True``) with the interventions given (see `Lens`).
+        ``train=True``; for linen and Haiku, this call's random keys as ``rngs=``) with
+        the interventions given (see `Lens`). On a model that holds its state (NNX,
+        Keras), a call updates it as the model's own call does (batch statistics, the
+        random stream); a sweep, and a call inside a JAX transformation, do not.
 
         Returns:
           The model's output; with `read`, ``(output, cache)``.
@@ -223,11 +233,13 @@ class Lens:
     def _own(self) -> Any:
         """What a call without variables runs with: the model's own (`_LIVE`: read from
         a model that holds them, at this call)."""
-        return _LIVE if self._adapter.holds_variables else self.variables
+        return _LIVE if self._adapter.holds_variables or self._view is not None else self.variables
 
-    def _values_of(self, entry: Any, variables: Any) -> tuple[list[Any], list[Any]]:
+    def _values_of(self, entry: Any, variables: Any, rngs: Any) -> tuple[list[Any], list[Any]]:
         """The graph's variable and random-key values."""
         graph = entry.traced.graph
+        if variables is _LIVE and self._view is not None:
+            variables = self._view()
         if variables is _LIVE:
             flat = self._adapter.live_variables(self._target)
             missing = [p for p in graph.variable_paths if p not in flat]
@@ -236,7 +248,7 @@ class Lens:
             values = [flat[p] for p in graph.variable_paths]
         else:
             values = variable_values(self._program, graph, variables)
-        return values, self._program.rng_leaves(entry, self._rngs)
+        return values, self._program.rng_leaves(entry, rngs)
 
     def _call(
         self,
@@ -249,17 +261,37 @@ class Lens:
     ) -> Any:
         program = self._program
         mutable = program.base.traced.split.mutable
-        entry, leaves = program.lookup(tuple(inputs), kwargs, self._rngs, mutable)
-        values, rng_leaves = self._values_of(entry, variables)
+        # Random keys for this call (linen's `rngs=`, Haiku's key), else those the lens
+        # was made with.
+        kwargs = dict(kwargs)
+        rngs = kwargs.pop("rngs", self._rngs) if self._adapter.has_collections else self._rngs
+        entry, leaves = program.lookup(tuple(inputs), kwargs, rngs, mutable)
+        values, rng_leaves = self._values_of(entry, variables, rngs)
         statics, arrays = (), []
         if any(v is not None for v in given.values()):  # checked against this entry's shapes
             sites = self._sites_at(entry, (values, rng_leaves))
             statics, arrays = self._normalised(given, sites, sweep)
+        # A call on the state a model holds (NNX) updates it as the model's own call does:
+        # new batch statistics, the next random draw. A sweep's runs are alternatives,
+        # not a sequence: it changes nothing.
+        writes = variables is _LIVE and sweep is None and bool(entry.plan.state_paths)
         run = entry.__dict__.get("lens_run")
         if run is None:  # one jitted function per traced entry (input signature)
             run = functools.partial(self._evaluate, entry)
             run = entry.__dict__["lens_run"] = jax.jit(run, static_argnums=(0,))
-        return run((statics, reads, sweep), values, rng_leaves, leaves, arrays)
+        out, cache, state = run((statics, reads, sweep, writes), values, rng_leaves, leaves, arrays)
+        # Inside a JAX transformation the new state is traced: the model keeps its own.
+        if state and not _compat.tracing():
+            self._write_back(entry.plan.state_paths, state)
+        return out, cache
+
+    def _write_back(self, paths: Sequence[Any], state: list[Any]) -> None:
+        """Stores the state a call updated in the model: an NNX model's variables, a
+        Keras model's own `keras.Variable`s (those whose value changed)."""
+        if self._adapter.holds_variables:
+            self._adapter.write_back(self._target, list(zip(paths, state, strict=True)))
+        else:
+            self._adapter.assign(self._target, merge_variables(self._view(), nest(paths, state)))
 
     def whole_values(self, variables: Any, inputs: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Every call's output (whole pytrees), loops included (stacked, ``name[:]``),
@@ -325,11 +357,11 @@ class Lens:
     def _evaluate(
         self, entry: Any, static: Any, values: Any, rngs: Any, inputs: Any, arrays: Any
     ) -> tuple[Any, dict[str, Any]]:
-        statics, reads, sweep = static
+        statics, reads, sweep, writes = static
         graph = entry.traced.graph
         resolver = resolver_of(graph)
         if reads is None:  # every call's whole output (`whole_values`)
-            return None, self._every_output(graph, values, rngs, inputs)
+            return None, self._every_output(graph, values, rngs, inputs), []
         wanted, first = {}, {}
         for spec in reads:
             picked = self._sites.pick(spec)
@@ -342,13 +374,20 @@ class Lens:
         def run(arrays: Any) -> Any:
             here = placed(resolver, self.sites, statics, arrays)
             hooks = LensHooks(here, wanted, first if sweep else {})
-            return evaluate_graph(graph, hooks, values, rngs, inputs), hooks.emitted
+            return evaluate_graph(
+                graph, hooks, values, rngs, inputs, with_state=True
+            ), hooks.emitted
 
         if sweep:
-            out, emitted = _swept(run, arrays, sweep)
+            (out, _), emitted = _swept(run, arrays, sweep)
         else:
-            out, emitted = run(arrays)
-        return out, {spec: self._read(spec, emitted, sweep) for spec in reads}
+            (out, state), emitted = run(arrays)
+        # The state the model updates (`Plan.state_paths`), as a slice of it writes back.
+        if writes:
+            at = {path: k for k, path in enumerate(graph.state_paths)}
+            state = [state[at[path]] for path in entry.plan.state_paths]
+        cache = {spec: self._read(spec, emitted, sweep) for spec in reads}
+        return out, cache, state if writes else []
 
     def _read(self, spec: str, emitted: dict[str, Any], sweep: Any) -> Any:
         """What a read of `spec` returns: its site's value, at the iterations it picks."""

@@ -56,6 +56,9 @@ class Adapter:
     always_returns_state: bool = False
     #: whether the model holds its variables (read with `live_variables`, not passed)
     holds_variables: bool = False
+    #: whether the model holds the values of the variables it is traced with, and so the
+    #: state a call updates (Keras's moving statistics and seed states), as NNX's does
+    holds_values: bool = False
     #: whether an edit's new modules keep their variables apart from the model's
     #: (``{"model": ..., "nodes": ...}``), as modules that hold their own do
     separate_nodes: bool = False

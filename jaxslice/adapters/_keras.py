@@ -168,6 +168,7 @@ def held_variables(target: Any, variables: Any) -> tuple[list[Any], Any]:
 class KerasAdapter(CollectionNodes, Adapter):
     has_collections = True
     state_includes_variables = True  # stateless_call returns every non-trainable variable
+    holds_values = True
     # A Keras layer's Python attributes (a Dropout's rate, say) may change between calls
     # and are no part of a cheap key, so every slice traces the model as it is now.
     caches_traces = False
