@@ -361,7 +361,8 @@ class Lens:
         graph = entry.traced.graph
         resolver = resolver_of(graph)
         if reads is None:  # every call's whole output (`whole_values`)
-            return None, self._every_output(graph, values, rngs, inputs), []
+            emitted, state = self._every_output(graph, values, rngs, inputs)
+            return None, emitted, _updated(entry, state) if writes else []
         wanted, first = {}, {}
         for spec in reads:
             picked = self._sites.pick(spec)
@@ -382,12 +383,8 @@ class Lens:
             (out, _), emitted = _swept(run, arrays, sweep)
         else:
             (out, state), emitted = run(arrays)
-        # The state the model updates (`Plan.state_paths`), as a slice of it writes back.
-        if writes:
-            at = {path: k for k, path in enumerate(graph.state_paths)}
-            state = [state[at[path]] for path in entry.plan.state_paths]
         cache = {spec: self._read(spec, emitted, sweep) for spec in reads}
-        return out, cache, state if writes else []
+        return out, cache, _updated(entry, state) if writes else []
 
     def _read(self, spec: str, emitted: dict[str, Any], sweep: Any) -> Any:
         """What a read of `spec` returns: its site's value, at the iterations it picks."""
@@ -398,13 +395,21 @@ class Lens:
             return stacked
         return stacked[(slice(None), *index)] if sweep else stacked[index]
 
-    def _every_output(self, graph: Any, values: Any, rngs: Any, inputs: Any) -> dict[str, Any]:
-        """Every call's whole output (in counted loops, stacked), from one evaluation."""
+    def _every_output(self, graph: Any, values: Any, rngs: Any, inputs: Any) -> tuple[Any, Any]:
+        """Every call's whole output (in counted loops, stacked), from one evaluation,
+        and the values of `graph.state_ids`."""
         resolver = resolver_of(graph)
         whole = {resolver.same(w): w.name for w in self._outputs}
         hooks = LensHooks({}, {}, {}, whole)
-        evaluate_graph(graph, hooks, values, rngs, inputs)
-        return {name: hooks.emitted[name] for name in whole.values()}
+        _, state = evaluate_graph(graph, hooks, values, rngs, inputs, with_state=True)
+        return {name: hooks.emitted[name] for name in whole.values()}, state
+
+
+def _updated(entry: Any, state: list[Any]) -> list[Any]:
+    """Of the values of `graph.state_ids`, the state the model updates
+    (`Plan.state_paths`), as a slice of the whole model writes back."""
+    at = {path: k for k, path in enumerate(entry.traced.graph.state_paths)}
+    return [state[at[path]] for path in entry.plan.state_paths]
 
 
 def _swept(run: Any, arrays: list[Any], batch_size: int) -> Any:

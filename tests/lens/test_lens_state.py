@@ -69,6 +69,18 @@ def test_an_nnx_lens_in_training_mode_runs_as_the_model_does_call_after_call():
     assert_trees_all_close(_state(model), _state(twin))
 
 
+def test_every_intermediate_of_an_nnx_model_in_training_mode_updates_it_as_its_call_does():
+    from flax import nnx
+
+    model = _nnx_model()
+    twin = nnx.clone(model)
+    first = js.intermediates(model, X, names="all")
+    second = js.intermediates(model, X, names="all")
+    assert_trees_all_close(first["head"], twin(X))
+    assert_trees_all_close(second["head"], twin(X))
+    assert_trees_all_close(_state(model), _state(twin))
+
+
 def test_an_nnx_lens_leaves_the_state_as_it_was_in_transforms_sweeps_and_apply():
     from flax import nnx
 
