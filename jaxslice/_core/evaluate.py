@@ -36,6 +36,7 @@ equations. Boundaries in `cond` branches are not shown (those run as they are).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -157,21 +158,53 @@ def _leaves_like(new: Any, value: Any, name: str, side: str) -> list[Any]:
 # --------------------------------------------------------------------------- the flat graph
 
 
-def _events(graph: Graph) -> dict[int, list[tuple[float, str, Call]]]:
+def _events(graph: Graph) -> dict[int, list[tuple[Any, str, Call]]]:
     """Boundary events by equation position, in the order they happen there.
 
     Calls that share a position open in the order of their first input marker and close in
     that of their last output marker (`Call.in_seq`, `Call.out_seq`). Scope regions have no
-    markers: their orders (infinite by default) open them after, and close them before,
-    the marked calls there.
+    markers; by their spans and names, one opens just after the innermost marked call there
+    that it lies in (the same span counts as in, unless the call's name is inside the
+    scope's), else before the first it encloses, and closes the other way round. Nested
+    scope regions open outer first and close inner first.
     """
-    events: dict[int, list[tuple[float, str, Call]]] = {}
-    for call in _outside_loops(graph):
-        events.setdefault(call.start, []).append((call.in_seq, INPUT, call))
-        events.setdefault(call.stop, []).append((call.out_seq, "output", call))
+    calls = _outside_loops(graph)
+    marked = [c for c in calls if not c.is_scope]
+    events: dict[int, list[tuple[Any, str, Call]]] = {}
+    for call in calls:
+        if call.is_scope:
+            opening, closing = _scope_opens(call, marked), _scope_closes(call, marked)
+        else:
+            opening, closing = (call.in_seq, 0, 0), (call.out_seq, 0, 0)
+        events.setdefault(call.start, []).append((opening, INPUT, call))
+        events.setdefault(call.stop, []).append((closing, "output", call))
     for evs in events.values():
         evs.sort(key=lambda e: e[0])
     return events
+
+
+def _scope_opens(scope: Call, marked: list[Call]) -> tuple[Any, ...]:
+    """Where a scope region opens among the marked calls that start with it (`_events`'
+    sort key): just after the innermost it lies in, else before the first it encloses."""
+    starts = [c for c in marked if c.start == scope.start]
+    if around := [c.in_seq for c in starts if c.stop >= scope.stop and not _named_in(c, scope)]:
+        return (max(around), 1, len(scope.path))
+    return (min((c.in_seq for c in starts), default=math.inf), -1, len(scope.path))
+
+
+def _scope_closes(scope: Call, marked: list[Call]) -> tuple[Any, ...]:
+    """Where a scope region closes among the marked calls that end with it: just before
+    the innermost it lies in, else after the last it encloses."""
+    stops = [c for c in marked if c.stop == scope.stop]
+    if around := [c.out_seq for c in stops if c.start <= scope.start and not _named_in(c, scope)]:
+        return (min(around), -1, -len(scope.path))
+    return (max((c.out_seq for c in stops), default=-math.inf), 1, -len(scope.path))
+
+
+def _named_in(call: Call, scope: Call) -> bool:
+    """Whether a marked call's name places it inside a scope region (``grp/lin`` in
+    ``grp``): so it is, also where their spans are the same."""
+    return call.name.startswith(scope.name + "/")
 
 
 def _outside_loops(graph: Graph) -> list[Call]:

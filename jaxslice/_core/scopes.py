@@ -11,6 +11,7 @@ calls of one scope apart; `js.mark` can.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -34,7 +35,8 @@ def with_scope_calls(
     calls = list(calls)
     calls += _unnamed(_calls_from_scopes(g), calls)
     calls += _unnamed(_loop_scope_calls(loop_scopes), calls)
-    calls.sort(key=_span_order)
+    marked = [c for c in calls if not c.is_scope]
+    calls.sort(key=lambda c: _span_order(c, marked))
     return calls
 
 
@@ -53,10 +55,15 @@ def _loop_scope_calls(loop_scopes: dict[tuple[str, ...], tuple[int, LoopSite]]) 
     return list(calls.values())
 
 
-def _span_order(c: Call) -> tuple[Any, ...]:
+def _span_order(c: Call, marked: list[Call]) -> tuple[Any, ...]:
     """Calls by span, outer first; on the same span marked calls in marker order, then
-    scope regions outer first."""
-    return (c.start, -c.stop, c.is_scope, len(c.path) if c.is_scope else 0)
+    scope regions outer first, except that a scope region comes just before the first
+    marked call of its span named inside it (``grp`` before ``grp/lin``)."""
+    if not c.is_scope:
+        return (c.start, -c.stop, c.in_seq, 0, 0)
+    same = [m for m in marked if (m.start, m.stop) == (c.start, c.stop)]
+    inside = [m.in_seq for m in same if m.name.startswith(c.name + "/")]
+    return (c.start, -c.stop, min(inside, default=math.inf), -1 if inside else 1, len(c.path))
 
 
 def _scope_call(
