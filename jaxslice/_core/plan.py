@@ -33,6 +33,7 @@ from .ports import (
     resolve_starts,
 )
 from .selection import Selection, resolver_of
+from .state_chain import Chain, update_chain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,9 @@ class Plan:
     to_run: tuple[Any, ...] = ()  # the equations to run (`Eqn`s), regions folded back
     updated_collections: tuple[str, ...] = ()  # collections the slice changes in this mode
     state_collections: tuple[str, ...] = ()  # collections the slice has state in
+    # ``(value, path)``: a state entry's value between two calls of its module that the
+    # slice reads from the variables at `path` (its first call runs, the one before not)
+    state_reads: tuple[tuple[int, tuple[Any, ...]], ...] = ()
 
 
 def plan(
@@ -83,10 +87,11 @@ def plan(
         graph,
         dataclasses.replace(
             p,
-            state_paths=tuple(q for q, _ in state),
-            state_ids=tuple(v for _, v in state),
-            updated_collections=_collections(q for q, v in own if v not in graph.variable_set),
-            state_collections=_collections(q for q, _ in own),
+            state_paths=tuple(q for q, _, _ in state),
+            state_ids=tuple(v for _, v, _ in state),
+            state_reads=tuple((r, q) for q, _, r in state if r is not None),
+            updated_collections=_collections(q for q, v, _ in own if v not in graph.variable_set),
+            state_collections=_collections(q for q, _, _ in own),
         ),
     )
 
@@ -177,27 +182,29 @@ def _collections(paths: Any) -> tuple[str, ...]:
     return tuple(sorted({str(key_name(p[0])) for p in paths}))
 
 
-def _wanted(own: list[tuple[tuple[Any, ...], int]], mutable: Any) -> list[Any]:
+def _wanted(own: list[tuple[tuple[Any, ...], int, Any]], mutable: Any) -> list[Any]:
     if not mutable:
         return []
     if mutable is True:
         return own
     wanted = {mutable} if isinstance(mutable, str) else set(mutable)
-    return [(p, v) for p, v in own if str(key_name(p[0])) in wanted]
+    return [e for e in own if str(key_name(e[0][0])) in wanted]
 
 
 def _finish(graph: Graph, p: Plan) -> Plan:
-    """Adds state, effects and folded regions to the cut, then the variables it reads."""
+    """Adds state, effects and folded regions to the cut, then the variables it reads
+    (the state it reads between two calls of a module too, `Plan.state_reads`)."""
     outputs = p.output_ids + p.state_ids
-    result = graph.cut(p.input_ids, outputs) if p.state_ids else p.cut
+    starts = p.input_ids + tuple(r for r, _ in p.state_reads)
+    result = graph.cut(starts, outputs) if p.state_ids else p.cut
     has_effects = lambda i: _compat.has_effects(graph.eqns[i].jax_eqn)  # noqa: E731
-    result = analysis.effects_inside(graph.edges, result, p.input_ids, graph.is_free, has_effects)
-    result, steps = _fold(graph, result, p.input_ids, outputs)
+    result = analysis.effects_inside(graph.edges, result, starts, graph.is_free, has_effects)
+    result, steps = _fold(graph, result, starts, outputs)
     to_run = tuple(_step_eqn(graph, step) for step in steps)
-    _check_given(to_run, p.input_ids, outputs)
+    _check_given(to_run, starts, outputs)
     used = result.used_free
     variables = [(v, q) for v, q in zip(graph.variable_ids, graph.variable_paths, strict=True)]
-    variables = [(v, q) for v, q in variables if v in used]
+    variables = [(v, q) for v, q in variables if v in used] + list(p.state_reads)
     return dataclasses.replace(
         p,
         cut=result,
@@ -249,8 +256,8 @@ def slice_state(
     input_ids: Sequence[int],
     whole: bool,
     rules: StateRules | None,
-) -> list[tuple[tuple[Any, ...], int]]:
-    """The updated state entries that belong to the slice.
+) -> list[tuple[tuple[Any, ...], int, int | None]]:
+    """The updated state entries that belong to the slice, as ``(path, value, read)``.
 
     An entry belongs to the slice when the module that owns it (the longest module path
     that prefixes the entry's path) has a call with equations in the slice, and its new
@@ -260,6 +267,14 @@ def slice_state(
     of the whole model (from its inputs to its output). State of modules outside the
     slice is not returned, so merging it back leaves them untouched.
 
+    State of a module called several times that update it (a shared block in train
+    mode) is the value after the last of those calls the slice runs, not the model's
+    final value, and the first call the slice runs reads the entry as it stands in the
+    variables: `read` is then the value that call reads in the model (after an earlier
+    call the slice does not run), which the slice takes from the variables instead.
+    So a slice up to ``blk@0`` returns the state after that call, and running it, merging,
+    then a slice from ``blk@1`` gives the model's own final state.
+
     State stacked over the iterations of a loop the slice runs in pieces belongs when
     the slice runs some of its rows: it is the whole stacked array, with the rows of
     the pieces the slice runs new and the others as they were (`_stacked_rows`).
@@ -268,22 +283,73 @@ def slice_state(
         return []
     computable = analysis.computable(graph.edges, input_ids, graph.is_free)
     taking = _participating_modules(graph, result, computable)
-    stacked = graph.stacked_state
+    chains = {} if whole else _chains(graph, rules, taking)
+    found = []
+    for k, path in enumerate(graph.state_paths):
+        vid, read = _value_in_slice(graph, k, rules, taking, result, chains.get(k), whole)
+        if vid is not None:
+            found.append((path, vid, _taken_read(graph, read, computable)))
+    reads = [r for _, _, r in found if r is not None]
+    if reads:
+        computable = analysis.computable(graph.edges, [*input_ids, *reads], graph.is_free)
     variables = graph.variable_set
-    chosen = []
+    return [e for e in found if _returned(e[1], variables, computable, rules)]
+
+
+def _value_in_slice(
+    graph: Graph,
+    k: int,
+    rules: StateRules,
+    taking: _Taking,
+    result: analysis.Cut,
+    chain: Chain | None,
+    whole: bool,
+) -> tuple[int | None, int | None]:
+    """``(value, read)`` of state entry `k` in a slice (see `slice_state`); value None
+    where the entry does not belong to the slice."""
+    path, vid = graph.state_paths[k], graph.state_ids[k]
+    owner = analysis.owner(rules.owner(path), taking.modules)
+    if k in graph.stacked_state:
+        return _stacked_rows(graph.stacked_state[k], owner, result, taking.calls, path), None
+    if chain is not None:
+        read, after = chain.in_slice({id(c) for c in taking.calls})
+        return after, read
+    belongs = whole if owner is None else taking.runs(owner, vid in graph.variable_set)
+    return (vid if belongs else None), None
+
+
+def _taken_read(graph: Graph, read: int | None, computable: set[int]) -> int | None:
+    """`read`, where the slice must take it from the variables (it cannot compute it)."""
+    given = read is None or read in computable or graph.is_free(read)
+    return None if given else read
+
+
+def _returned(vid: int, variables: frozenset[int], computable: set[int], rules: StateRules) -> bool:
+    """Whether a state value that belongs to a slice is returned: not where there is
+    nothing to write back, or its value comes from outside the slice."""
+    unchanged = vid in variables
+    return not (unchanged and rules.includes_variables) and (unchanged or vid in computable)
+
+
+def _chains(graph: Graph, rules: StateRules, taking: _Taking) -> dict[int, Chain]:
+    """`state_chain.Chain`s of the state entries (by position) of modules called more
+    than once outside loops, where one can be told; the stored value of an entry read
+    between two calls must be a variable, so that the slice can read it instead."""
+    calls: dict[Any, list[Any]] = {}
+    for c in graph.calls:
+        if c.is_module and c.loop is None:
+            calls.setdefault(c.path, []).append(c)
+    stored = dict(zip(graph.variable_paths, graph.variable_ids, strict=True))
+    chains = {}
     for k, (path, vid) in enumerate(zip(graph.state_paths, graph.state_ids, strict=True)):
         owner = analysis.owner(rules.owner(path), taking.modules)
-        if k in stacked:
-            vid = _stacked_rows(stacked[k], owner, result, taking.calls, path)
-            belongs = vid is not None
-        else:
-            belongs = whole if owner is None else taking.runs(owner, vid in variables)
-        unchanged = vid in variables
-        # Nothing to write back, or its final value comes from outside the slice:
-        skip = (unchanged and rules.includes_variables) or not (unchanged or vid in computable)
-        if belongs and not skip:
-            chosen.append((path, vid))
-    return chosen
+        mine = calls.get(owner, [])
+        if k in graph.stacked_state or len(mine) < 2 or path not in stored:
+            continue
+        chain = update_chain(graph, mine, vid, stored[path])
+        if chain is not None and chain.steps:
+            chains[k] = chain
+    return chains
 
 
 def _stacked_rows(
