@@ -28,6 +28,7 @@ from ._errors import (
     CallInputLikeError,
     CallInputNamesError,
     CallInputRowsError,
+    LinenNodeStateError,
     NodeKeyError,
     NotANodeError,
     UnstackedNodeError,
@@ -283,7 +284,7 @@ def new_node(
     zeros = jax.tree_util.tree_map(lambda a: jax.numpy.zeros(a.shape, a.dtype), args)
     found = adapter.edit_node(obj, name, zeros)
     if found is None and is_linen(obj):
-        found = NewModule(lambda v, *a: obj.apply(v, *a), init=lambda k: dict(obj.init(k, *zeros)))
+        found = NewModule(_linen_apply(obj), init=lambda k: dict(obj.init(k, *zeros)))
     if found is None:
         if not callable(obj):
             raise NotANodeError(kind=type(obj).__name__)
@@ -296,6 +297,26 @@ def new_node(
     else:
         variables = init_rows(found.init, key, site.lengths)
     return Node(name, found.fn, obj, variables, structure_of=found.structure)
+
+
+def _linen_apply(module: Any) -> Callable[..., Any]:
+    """A linen node's call on its variables. It gets no mutable collections or random
+    keys, so one that updates state or draws random numbers (BatchNorm or Dropout in
+    training mode) is named, rather than reported as the model breaking after it."""
+    from flax import errors
+
+    def apply(variables: Any, *args: Any) -> Any:
+        try:
+            return module.apply(variables, *args)
+        except (errors.ModifyScopeVariableError, errors.InvalidRngError) as error:
+            why = (
+                "random keys"
+                if isinstance(error, errors.InvalidRngError)
+                else "to update its state"
+            )
+            raise LinenNodeStateError(kind=type(module).__name__, what=why) from None
+
+    return apply
 
 
 def init_rows(init: Callable[[Any], Any], key: Any, lengths: tuple[int, ...]) -> Any:

@@ -25,7 +25,6 @@ and only the rest runs per intervention (vmapped, or on CPU a few at a time in o
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,6 +38,7 @@ from ._core.program import SliceProgram
 from ._core.selection import resolver_of
 from ._core.variables import merge as merge_variables
 from ._errors import (
+    LensBatchSizeError,
     LensKindError,
     LensNotPicklableError,
     LensSitesSpecError,
@@ -54,6 +54,7 @@ from .adapters import adapter_for
 
 KINDS = ("scale", "add", "set")  # applied at a site in this order
 _LIVE = object()  # stands for the variables a model holds, read at each call
+_WHOLE = object()  # a read of every call's whole output (`whole_values`)
 
 
 class Lens:
@@ -71,7 +72,9 @@ class Lens:
       iterations at a ``[:]`` name), shaped so that it can be given to `set`.
 
     Values broadcast against the site's value with NumPy's rules (at a ``[:]`` name
-    against the stacked value). At one site, `scale` applies first, then `add`, then
+    against the stacked value); `scale` and `add` compute in the dtype the value and the
+    site's promote to and cast back to the site's (0.5 halves an integer site), and a
+    complex value at a real site is an error. At one site, `scale` applies first, then `add`, then
     `set`. The lens is an ordinary JAX function of the given arrays: ``jax.grad`` with
     respect to an `add` gives attribution at every site at once, ``jax.vmap`` a batch of
     patches.
@@ -82,8 +85,9 @@ class Lens:
 
     Attributes:
       sites: ``{name: Site}``, the sites in call order, with the shapes of the inputs
-        the lens was made with (a call with inputs of other shapes is checked against
-        that call's).
+        the lens was made with. A call with inputs of other shapes resolves its names
+        against its own trace: ``layers[-1]`` is its last iteration, a ``[:]`` value has a
+        row per iteration of its scans, and only the sites it names must exist there.
     """
 
     def __init__(
@@ -118,7 +122,7 @@ class Lens:
         else:
             own = given if self._view is None else self._view()
         seen = probe(graph, self._values_of(program.base, own, self._rngs))
-        self._sites = Sites(resolver_of(graph), sites, seen)
+        self._sites = Sites.of(resolver_of(graph), sites, seen)
         self.sites: dict[str, Site] = self._sites.by_name
         #: every call's output the hooks see (in counted loops), for `whole_values`
         self._outputs = [w for w in seen if w.side == OUTPUT and counted(w)]
@@ -157,11 +161,8 @@ class Lens:
     ) -> Any:
         """`__call__` with the given variables (of the structure of `variables`)."""
         given = {"scale": scale, "add": add, "set": set}
-        reads = self._reads(read)
-        out, cache = self._call(variables, inputs, kwargs, given, reads, None)
-        if read is None or read is False:
-            return out
-        return out, {name: cache[name] for name in reads}
+        out, cache = self._call(variables, inputs, kwargs, given, read, None)
+        return out if read is None or read is False else (out, cache)
 
     def sweep(
         self,
@@ -184,23 +185,23 @@ class Lens:
         at another first iteration compile again).
 
         Args:
-          batch_size: how many runs go through the model at once (one compiled loop
-            over chunks of that many, `jax.lax.map`); default: all of them on an
-            accelerator, 4 on CPU, where a batch n times larger runs slower per input
-            than n small ones.
+          batch_size: how many runs go through the model at once, a non-negative int
+            (one compiled loop over chunks of that many, `jax.lax.map`; 0: all of them);
+            default: all of them on an accelerator, 4 on CPU, where a batch n times
+            larger runs slower per input than n small ones.
+
+        Raises:
+          LensBatchSizeError: `batch_size` is not a non-negative int (a bool is not one).
         """
         given = {"scale": scale, "add": add, "set": set}
         if not any(given.values()):
             raise LensSweepEmptyError()
-        reads = self._reads(read)
         if batch_size is None:
             batch_size = 4 if jax.default_backend() == "cpu" else 0
-        if not isinstance(batch_size, int) or batch_size < 0:
-            raise LensKindError(kind="batch_size", got=repr(batch_size))
-        out, cache = self._call(self._own(), inputs, kwargs, given, reads, batch_size or -1)
-        if read is None or read is False:
-            return out
-        return out, {name: cache[name] for name in reads}
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+            raise LensBatchSizeError(got=repr(batch_size))
+        out, cache = self._call(self._own(), inputs, kwargs, given, read, batch_size or -1)
+        return out if read is None or read is False else (out, cache)
 
     def __repr__(self) -> str:
         return f"Lens({type(self._target).__name__}: {len(self.sites)} sites)"
@@ -256,9 +257,12 @@ class Lens:
         inputs: Any,
         kwargs: dict[str, Any],
         given: dict[str, Any],
-        reads: Any,
+        read: Any,
         sweep: Any,
     ) -> Any:
+        """Runs the model with the interventions `given` and the reads `read` (`_WHOLE`:
+        every call's whole output), their names resolved against the trace of these
+        inputs (`_sites_at`)."""
         program = self._program
         mutable = program.base.traced.split.mutable
         # Random keys for this call (linen's `rngs=`, Haiku's key), else those the lens
@@ -267,9 +271,10 @@ class Lens:
         rngs = kwargs.pop("rngs", self._rngs) if self._adapter.has_collections else self._rngs
         entry, leaves = program.lookup(tuple(inputs), kwargs, rngs, mutable)
         values, rng_leaves = self._values_of(entry, variables, rngs)
-        statics, arrays = (), []
-        if any(v is not None for v in given.values()):  # checked against this entry's shapes
+        statics, arrays, reads, sites = (), [], None, None
+        if read is not _WHOLE:  # names resolved against this entry's trace
             sites = self._sites_at(entry, (values, rng_leaves))
+            reads = _reads(read, sites)
             statics, arrays = self._normalised(given, sites, sweep)
         # A call on the state a model holds (NNX) updates it as the model's own call does:
         # new batch statistics, the next random draw. A sweep's runs are alternatives,
@@ -279,7 +284,8 @@ class Lens:
         if run is None:  # one jitted function per traced entry (input signature)
             run = functools.partial(self._evaluate, entry)
             run = entry.__dict__["lens_run"] = jax.jit(run, static_argnums=(0,))
-        out, cache, state = run((statics, reads, sweep, writes), values, rng_leaves, leaves, arrays)
+        static = (sites, statics, reads, sweep, writes)
+        out, cache, state = run(static, values, rng_leaves, leaves, arrays)
         # Inside a JAX transformation the new state is traced: the model keeps its own.
         if state and not _compat.tracing():
             self._write_back(entry.plan.state_paths, state)
@@ -298,31 +304,27 @@ class Lens:
         in call order, with `variables` (None: the model's own): `js.intermediates`
         with ``names="all"``."""
         variables = self._own() if variables is None else variables
-        _, cache = self._call(variables, inputs, kwargs, {}, None, None)
+        _, cache = self._call(variables, inputs, kwargs, {}, _WHOLE, None)
         return {w.name: cache[w.name] for w in self._outputs}
 
-    def _sites_at(self, entry: Any, values: Any) -> dict[str, Site]:
-        """The sites with the shapes of this entry's inputs (probed once per entry)."""
+    def _sites_at(self, entry: Any, values: Any) -> Sites:
+        """The sites in this entry's trace, with the shapes and scan lengths of its inputs,
+        which the names a call gives are resolved against (probed once per entry)."""
         if entry is self._program.base:
-            return self.sites
+            return self._sites
         found = entry.__dict__.get("lens_sites")
         if found is None:
             graph = entry.traced.graph
-            seen = probe(graph, values)
-            resolver = resolver_of(graph)
-            found = {
-                name: dataclasses.replace(site, value=seen[resolver.same(site.where)][site.leaf])
-                for name, site in self.sites.items()
-            }
+            found = self._sites.at(resolver_of(graph), probe(graph, values))
             entry.__dict__["lens_sites"] = found
         return found
 
     def _normalised(
-        self, given: dict[str, Any], sites: dict[str, Site], sweep: Any
+        self, given: dict[str, Any], sites: Sites, sweep: Any
     ) -> tuple[tuple[Any, ...], list[Any]]:
         """The interventions as their static parts (`Intervention`) and arrays, checked
-        against the sites (`sites`: with this call's shapes; in a sweep, after a leading
-        axis of one length)."""
+        against the sites (`sites`: this call's trace's; in a sweep, after a leading axis
+        of one length)."""
         statics, arrays, runs = [], [], set()
         for kind in KINDS:
             entries = given.get(kind)
@@ -331,9 +333,8 @@ class Lens:
             if not isinstance(entries, Mapping):
                 raise LensKindError(kind=kind, got=type(entries).__name__)
             for spec, value in entries.items():
-                picked = self._sites.pick(spec)
-                site = sites[picked.site.name]
-                static, parts = intervention(kind, spec, value, site, picked, sweep)
+                picked = sites.pick(spec)
+                static, parts = intervention(kind, spec, value, picked.site, picked, sweep)
                 statics.append(static)
                 arrays.append(parts)
                 runs.update(x.shape[0] for x in parts[:2] if sweep and x is not None)
@@ -341,39 +342,26 @@ class Lens:
             raise LensSweepAxisError(spec=sorted(runs), kind="all values", shape=None)
         return tuple(statics), arrays
 
-    def _reads(self, read: Any) -> tuple[str, ...]:
-        if read is None or read is False:
-            return ()
-        if read is True:
-            return tuple(self.sites)
-        if isinstance(read, str):
-            return (read,)
-        if not isinstance(read, Sequence) or not all(isinstance(r, str) for r in read):
-            raise LensSitesSpecError(spec=read, reason="read takes True, a name or a list of names")
-        return tuple(read)
-
     # ------------------------------------------------------------------ the program
 
     def _evaluate(
         self, entry: Any, static: Any, values: Any, rngs: Any, inputs: Any, arrays: Any
     ) -> tuple[Any, dict[str, Any]]:
-        statics, reads, sweep, writes = static
+        sites, statics, reads, sweep, writes = static
         graph = entry.traced.graph
-        resolver = resolver_of(graph)
         if reads is None:  # every call's whole output (`whole_values`)
             emitted, state = self._every_output(graph, values, rngs, inputs)
             return None, emitted, _updated(entry, state) if writes else []
         wanted, first = {}, {}
         for spec in reads:
-            picked = self._sites.pick(spec)
-            where = resolver.same(picked.site.where)
-            wanted.setdefault((where, picked.site.leaf), picked.site.name)
-            first_row(first, where, picked.rows)
+            picked = sites.pick(spec)
+            wanted.setdefault((picked.site.where, picked.site.leaf), picked.site.name)
+            first_row(first, picked.site.where, picked.rows)
         for one in statics if sweep else ():
-            first_row(first, resolver.same(self.sites[one.site].where), one.fixed)
+            first_row(first, sites.by_name[one.site].where, one.fixed)
 
         def run(arrays: Any) -> Any:
-            here = placed(resolver, self.sites, statics, arrays)
+            here = placed(sites.by_name, statics, arrays)
             hooks = LensHooks(here, wanted, first if sweep else {})
             return evaluate_graph(
                 graph, hooks, values, rngs, inputs, with_state=True
@@ -383,17 +371,8 @@ class Lens:
             (out, _), emitted = _swept(run, arrays, sweep)
         else:
             (out, state), emitted = run(arrays)
-        cache = {spec: self._read(spec, emitted, sweep) for spec in reads}
+        cache = {spec: _read(sites.pick(spec), emitted, sweep) for spec in reads}
         return out, cache, _updated(entry, state) if writes else []
-
-    def _read(self, spec: str, emitted: dict[str, Any], sweep: Any) -> Any:
-        """What a read of `spec` returns: its site's value, at the iterations it picks."""
-        picked = self._sites.pick(spec)
-        index = tuple(slice(None) if k is None else k for k in picked.rows)
-        stacked = emitted[picked.site.name]
-        if not index:
-            return stacked
-        return stacked[(slice(None), *index)] if sweep else stacked[index]
 
     def _every_output(self, graph: Any, values: Any, rngs: Any, inputs: Any) -> tuple[Any, Any]:
         """Every call's whole output (in counted loops, stacked), from one evaluation,
@@ -410,6 +389,31 @@ def _updated(entry: Any, state: list[Any]) -> list[Any]:
     (`Plan.state_paths`), as a slice of the whole model writes back."""
     at = {path: k for k, path in enumerate(entry.traced.graph.state_paths)}
     return [state[at[path]] for path in entry.plan.state_paths]
+
+
+def _reads(read: Any, sites: Sites) -> tuple[str, ...]:
+    """The names a call reads (`read`: True for every site this call has, a name, or a
+    list of names)."""
+    if read is None or read is False:
+        return ()
+    if read is True:
+        return tuple(sites.by_name)
+    if isinstance(read, str):
+        read = [read]
+    if not isinstance(read, Sequence) or not all(isinstance(r, str) for r in read):
+        raise LensSitesSpecError(spec=read, reason="read takes True, a name or a list of names")
+    for spec in read:  # a wrong name fails here, not while the program is traced
+        sites.pick(spec)
+    return tuple(read)
+
+
+def _read(picked: Any, emitted: dict[str, Any], sweep: Any) -> Any:
+    """What a read returns: its site's value, at the iterations it picks (`picked`)."""
+    index = tuple(slice(None) if k is None else k for k in picked.rows)
+    stacked = emitted[picked.site.name]
+    if not index:
+        return stacked
+    return stacked[(slice(None), *index)] if sweep else stacked[index]
 
 
 def _swept(run: Any, arrays: list[Any], batch_size: int) -> Any:

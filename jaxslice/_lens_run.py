@@ -21,8 +21,13 @@ from . import _compat
 from ._core.evaluate import BoundaryEvent, Hooks
 from ._core.evaluate import evaluate as evaluate_graph
 from ._core.jaxprs import row
-from ._core.selection import Resolver, Selection
-from ._errors import LensKindError, LensSweepAxisError, LensValueShapeError
+from ._core.selection import Selection
+from ._errors import (
+    LensComplexValueError,
+    LensKindError,
+    LensSweepAxisError,
+    LensValueShapeError,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +65,10 @@ def intervention(
     want = tuple(n for n, e in zip(site.lengths, every, strict=True) if e)
     target = (*want, *site.value.shape)
     _check_value(spec, kind, value, target, site, sweep)
+    if _complex(value.dtype) and not _complex(site.value.dtype):
+        raise LensComplexValueError(
+            kind=kind, spec=spec, dtype=value.dtype, site_dtype=site.value.dtype
+        )
     leading = len(site.value.shape) + (1 if sweep else 0)
     extra = max(value.ndim - leading, 0)
     mask_extra = None
@@ -69,9 +78,16 @@ def intervention(
     # A sweep is compiled for its iterations (its first one decides what runs once);
     # a call takes them as data.
     static = Intervention(kind, site.name, every, extra, mask_extra, rows if sweep else None)
-    dtype = site.value.dtype
-    value = value if value.dtype == dtype else value.astype(dtype)
+    # `h * s` and `h + v` are computed in the dtype the two promote to and cast back to the
+    # site's (`_apply`): 0.5 scales an integer site by a half, not by int(0.5). The value
+    # is passed in that dtype (an int given at a float site as a float).
+    promoted = jnp.result_type(site.value.dtype, value)
+    value = value if value.dtype == promoted else value.astype(promoted)
     return static, (value, mask, picked.indices)
+
+
+def _complex(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.complexfloating)
 
 
 def _value_and_mask(kind: str, value: Any) -> tuple[Any, Any]:
@@ -104,14 +120,14 @@ def _check_value(
 
 
 def placed(
-    resolver: Resolver, sites: dict[str, Any], statics: Any, arrays: Any
+    sites: dict[str, Any], statics: Any, arrays: Any
 ) -> dict[tuple[Selection, int], list[Any]]:
-    """The interventions by the record and leaf the running model meets them at (in this
-    graph), in the order given."""
+    """The interventions by the record and leaf the running model meets them at (`sites`:
+    the sites of the graph it runs), in the order given."""
     here: dict[tuple[Selection, int], list[Any]] = {}
     for one, parts in zip(statics, arrays, strict=True):
         site = sites[one.site]
-        here.setdefault((resolver.same(site.where), site.leaf), []).append((one, parts))
+        here.setdefault((site.where, site.leaf), []).append((one, parts))
     return here
 
 

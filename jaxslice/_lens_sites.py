@@ -6,6 +6,12 @@ from a name once, when the lens is made: ``layers[:]/attn`` (a call's output),
 without ``#k``). A name given at call time is resolved once too (`Sites.pick`): a site,
 or one iteration of a site inside a scan (``layers[3]``), kept as the site and the
 iterations it picks.
+
+Sharp edge: inputs of other shapes trace the model again, and the new trace can have
+other scan lengths (a scan over a sequence axis) or other calls (a Python loop over one).
+So names are resolved per trace: `Sites.at` carries the lens's sites into another trace,
+where ``layers[-1]``, the rows of a ``[:]`` value and the sites that exist are that
+trace's.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from ._errors import (
     BoundaryInLoopError,
     LensLeafError,
     LensNotASiteError,
+    LensSiteNotAtCallError,
     LensSitesSpecError,
     SliceError,
 )
@@ -72,67 +79,60 @@ class Picked:
 
 
 class Sites:
-    """A lens's sites (`by_name`, in call order) and the names given to it, resolved.
+    """A lens's sites (`by_name`, in call order) in one trace of the model, and the names
+    given to it, resolved against that trace.
+
+    A lens has one `Sites` per trace (per input signature): its own (`made`), and one for
+    each call with inputs of other shapes (`at`), with that trace's records, values and
+    scan lengths, so that ``layers[-1]`` and a ``[:]`` value's rows are this call's.
 
     Args:
-      resolver: the resolver of the graph the lens was made from.
-      specs: the names of the sites (None: every call's output the hooks see).
-      seen: the array leaves the hooks see at each call side (`_lens_run.probe`).
+      resolver: the resolver of the graph these sites are in.
+      by_name: the sites, in call order.
+      made: the lens's own sites when these are another trace's (None for the lens's own).
     """
 
-    def __init__(self, resolver: Resolver, specs: Any, seen: dict[Selection, list[Any]]):
+    def __init__(self, resolver: Resolver, by_name: dict[str, Site], made: Sites | None = None):
         self.resolver = resolver
+        self.by_name = by_name
+        self.by_where = {(s.where, s.leaf): s for s in by_name.values()}
+        self.made = made
+        self.picked: dict[str, Picked] = {}
+
+    @classmethod
+    def of(cls, resolver: Resolver, specs: Any, seen: dict[Selection, list[Any]]) -> Sites:
+        """The sites `specs` names (None: every call's output the hooks see), with `seen`
+        the array leaves the hooks see at each call side (`_lens_run.probe`)."""
         explicit = specs is not None
         if explicit:
             specs = _site_specs(specs)
         else:
             specs = [where.name for where in seen if where.side == OUTPUT]
-        self.by_name: dict[str, Site] = {}
+        by_name: dict[str, Site] = {}
         for spec in specs:
-            site = self._site(spec, explicit, seen)
+            site = _site(resolver, spec, explicit, seen)
             if site is not None:
-                self.by_name.setdefault(site.name, site)
-        self.by_where = {(s.where, s.leaf): s for s in self.by_name.values()}
-        self.picked: dict[str, Picked] = {}
+                by_name.setdefault(site.name, site)
+        return cls(resolver, by_name)
 
-    def _site(self, spec: str, explicit: bool, seen: dict[Selection, Any]) -> Site | None:
-        """The site `spec` names; None for one the hooks cannot reach, unless the user
-        named it (`explicit`: then an error says why)."""
-        base, leaf = _split_leaf(spec)
-        try:
-            where = self.resolver.select(Name.of(base), OUTPUT, uncounted=True)
-        except BoundaryInLoopError:
-            reason = (
-                "it is called in a branch of a cond (or a loop) that the lens cannot reach; "
-                "name a call around it"
-            )
-            raise LensSitesSpecError(spec=spec, reason=reason) from None
-        if any(k != STACKED for k in where.path):
-            raise LensSitesSpecError(
-                spec=spec, reason="a site names every iteration of a loop ([:])"
-            )
-        leaves = seen.get(where)
-        stacks = counted(where)
-        if not stacks or not leaves:
-            if not explicit:
-                return None
-            reason = (
-                "only loops with a fixed number of iterations (scans) have sites"
-                if not stacks
-                else "the model computes no array there that hooks can see (a call in a "
-                "branch of a cond, or one without array values)"
-            )
-            raise LensSitesSpecError(spec=spec, reason=reason)
-        k = 0 if leaf is None else leaf
-        if k >= len(leaves):
-            raise LensLeafError(spec=spec, reason=f"the value there has {len(leaves)} array leaves")
-        shown = where.name if where.side == OUTPUT else f"{where.name}:input"
-        if leaf is not None:
-            shown = f"{shown}#{leaf}"
-        return Site(shown, where, k, leaves[k], where.lengths)
+    def at(self, resolver: Resolver, seen: dict[Selection, list[Any]]) -> Sites:
+        """These sites in another trace of the model (inputs of other shapes): their records,
+        values and loop lengths there. A site the model computes no value at there (a call
+        made once per step of an input axis) is left out."""
+        by_name = {}
+        for name, site in self.by_name.items():
+            try:
+                where = resolver.same(site.where)
+            except SliceError:  # not called in this trace
+                continue
+            leaves = seen.get(where) or []
+            if site.leaf < len(leaves):
+                by_name[name] = Site(name, where, site.leaf, leaves[site.leaf], where.lengths)
+        return Sites(resolver, by_name, self)
 
     def pick(self, spec: Any) -> Picked:
-        """The site and iterations a name given at call time picks (resolved once)."""
+        """The site and iterations a name given at call time picks in this trace (resolved
+        once: a negative or out-of-range iteration against this trace's loop lengths)."""
         found = self.picked.get(spec)
         if found is not None:
             return found
@@ -141,23 +141,73 @@ class Sites:
         base, leaf = _split_leaf(spec)
         try:
             where = self.resolver.select(Name.of(base), OUTPUT)
-        except SliceError as error:
-            why = str(error).split("\n")[0].rstrip()
-            why = why if why.endswith((".", "?", "!")) else f"{why}."
-            raise LensNotASiteError(spec=spec, why=why, sites=self.listed()) from None
-        site = self.by_where.get((where.every(), 0 if leaf is None else leaf))
-        if site is None:
             why = "a boundary the lens was not made with."
+        except SliceError as error:
+            where, why = None, _first_line(error)
+        site = None if where is None else self.by_where.get((where.every(), leaf or 0))
+        if site is None:
+            if self.made is not None and self._made_with(spec):
+                raise LensSiteNotAtCallError(spec=spec, why=why)
             raise LensNotASiteError(spec=spec, why=why, sites=self.listed())
         rows = tuple(None if k == STACKED else int(k) for k in where.path)
         found = self.picked[spec] = Picked(site, rows)
         return found
+
+    def _made_with(self, spec: str) -> bool:
+        """Whether `spec` names a site (or an iteration of one) in the trace the lens was
+        made with."""
+        try:
+            self.made.pick(spec)
+        except SliceError:
+            return False
+        return True
 
     def listed(self) -> str:
         """The sites' names, for messages (the first 12)."""
         names = list(self.by_name)
         shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
         return shown or "(none)"
+
+
+def _site(resolver: Resolver, spec: str, explicit: bool, seen: dict[Selection, Any]) -> Site | None:
+    """The site `spec` names; None for one the hooks cannot reach, unless the user named it
+    (`explicit`: then an error says why)."""
+    base, leaf = _split_leaf(spec)
+    try:
+        where = resolver.select(Name.of(base), OUTPUT, uncounted=True)
+    except BoundaryInLoopError:
+        reason = (
+            "it is called in a branch of a cond (or a loop) that the lens cannot reach; "
+            "name a call around it"
+        )
+        raise LensSitesSpecError(spec=spec, reason=reason) from None
+    if any(k != STACKED for k in where.path):
+        raise LensSitesSpecError(spec=spec, reason="a site names every iteration of a loop ([:])")
+    leaves = seen.get(where)
+    stacks = counted(where)
+    if not stacks or not leaves:
+        if not explicit:
+            return None
+        reason = (
+            "only loops with a fixed number of iterations (scans) have sites"
+            if not stacks
+            else "the model computes no array there that hooks can see (a call in a "
+            "branch of a cond, or one without array values)"
+        )
+        raise LensSitesSpecError(spec=spec, reason=reason)
+    k = 0 if leaf is None else leaf
+    if k >= len(leaves):
+        raise LensLeafError(spec=spec, reason=f"the value there has {len(leaves)} array leaves")
+    shown = where.name if where.side == OUTPUT else f"{where.name}:input"
+    if leaf is not None:
+        shown = f"{shown}#{leaf}"
+    return Site(shown, where, k, leaves[k], where.lengths)
+
+
+def _first_line(error: SliceError) -> str:
+    """The first line of an error's message, as a sentence (for another error's)."""
+    why = str(error).split("\n")[0].rstrip()
+    return why if why.endswith((".", "?", "!")) else f"{why}."
 
 
 def counted(where: Selection) -> bool:

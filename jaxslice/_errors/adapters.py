@@ -10,6 +10,7 @@ from .base import (
     UnsupportedTargetError,
     VariablesMismatchError,
 )
+from .variables import ModelChangedError
 
 # --------------------------------------------------------------------------- linen, plain
 
@@ -69,12 +70,34 @@ class NNXSliceNotCopyableError(SliceError):
     )
 
 
+class NNXSlicePartReplacedError(ModelChangedError):
+    """A submodule an NNX slice holds was replaced in the model since it was sliced."""
+
+    TEMPLATE = (
+        "The model's submodule {path} was replaced since this slice was made ({old} then, "
+        "{new} now). The slice holds the old one, so it would run one's code with the "
+        "other's variables. Slice the model again to use the new {path}: a slice follows "
+        "new values of its submodules' variables, not new submodules."
+    )
+
+
 class NNXModeVariablesError(SliceError):
     """An NNX slice reads, in the mode it is called in, variables it does not hold."""
 
     TEMPLATE = (
         "In this mode the slice reads variables it does not hold: {paths}. Slice the model "
         "again after switching it to this mode."
+    )
+
+
+class LinenNodeStateError(SliceError):
+    """A new linen node updated state or drew random numbers while called."""
+
+    TEMPLATE = (
+        "The new node ({kind}) needs {what} while called (batch statistics updated, or a "
+        "dropout mask drawn), which an inserted node is not given. Insert it in evaluation "
+        "mode (`use_running_average=True`, `deterministic=True`), or a node without batch "
+        "statistics or random draws."
     )
 
 
@@ -263,6 +286,18 @@ class KerasNodeStateError(SliceError):
         "The new layer {kind} updated its own non-trainable state while called (moving "
         "statistics, random-seed states), which an edit cannot keep. Insert it in inference "
         "mode (edit with `training=False`) or insert a layer without such state."
+    )
+
+
+class KerasNodeModeError(KerasNodeStateError):
+    """A new Keras layer behaves differently in training, which an inserted node is not told."""
+
+    TEMPLATE = (
+        "The new layer {kind} behaves differently in training (its `call` takes `training`: "
+        "batch statistics, dropout), but an inserted node is not told the model's mode and "
+        "cannot keep the state it would update, so it would run as in neither mode "
+        "faithfully. Insert a layer without a training mode, or this layer's inference "
+        "form as a function: `lambda h: layer(h, training=False)`."
     )
 
 

@@ -233,6 +233,35 @@ class LensNotASiteError(InvalidSpecError):
     )
 
 
+class LensSiteNotAtCallError(InvalidSpecError):
+    """An intervention or read names a site the model does not compute at this call."""
+
+    TEMPLATE = (
+        "{spec!r} is a site of this lens at the input shapes it was made with, but not at "
+        "this call's, for which the model is traced again (other scan lengths, other calls): "
+        "{why} Name a site or iteration that exists at these input shapes."
+    )
+
+
+class LensComplexValueError(InputMismatchError):
+    """A complex value was given for a lens site whose values are real."""
+
+    TEMPLATE = (
+        "The {kind} value for {spec!r} is complex ({dtype}), but the values at that site are "
+        "real ({site_dtype}), so its imaginary part would be lost. Give a real value (its "
+        "real part, jnp.real(v), or its magnitude, jnp.abs(v))."
+    )
+
+
+class LensBatchSizeError(InputMismatchError):
+    """A lens sweep was given a batch size that is not a non-negative int."""
+
+    TEMPLATE = (
+        "batch_size= takes a non-negative int, the number of runs that go through the model "
+        "at once (0: all of them), or None for the default; got {got}."
+    )
+
+
 class LensNotPicklableError(SliceError):
     """A lens was pickled."""
 

@@ -37,6 +37,7 @@ import jax
 
 from .._errors import (
     KerasBackendError,
+    KerasNodeModeError,
     KerasNodeStateError,
     KerasNotBuiltError,
     KerasRngsError,
@@ -115,6 +116,19 @@ def _unique(prefix: tuple[str, ...], name: str, taken: set[tuple[str, ...]]) -> 
 def _nested(pairs: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
     """The nested dict of `(key path, value)` pairs, both groups always present."""
     return {group: {} for group in GROUPS} | nest([k for k, _ in pairs], [v for _, v in pairs])
+
+
+def _training_state(layer: Any) -> str | None:
+    """The first layer in `layer` (itself or one it holds) whose call takes `training`
+    and that has state such a call updates (a BatchNormalization's moving statistics, a
+    Dropout's seed state), by class name; None where there is none."""
+    flatten = getattr(layer, "_flatten_layers", None)
+    for sub in flatten(include_self=True) if flatten else [layer]:
+        own = getattr(sub, "_flatten_layers", lambda **_: [])(include_self=False)
+        takes = "training" in (keywords_of(type(sub).call) or ())
+        if takes and not list(own) and sub.non_trainable_variables:
+            return type(sub).__name__
+    return None
 
 
 def _weights(variables: Any) -> dict[tuple[str, ...], int]:
@@ -263,6 +277,8 @@ class KerasAdapter(CollectionNodes, Adapter):
             return None
         if not obj.built:
             obj(*args)  # builds its variables for these shapes, as a first call does
+        if moded := _training_state(obj):
+            raise KerasNodeModeError(kind=moded)
         keys = variable_keys(obj)
         kind = type(obj).__name__
 

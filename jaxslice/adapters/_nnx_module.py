@@ -29,10 +29,15 @@ from flax import nnx
 
 from .. import _compat
 from .._core.checks import check_leaves
-from .._errors import NNXModeVariablesError, NNXSliceExportStateError, NNXSliceNotCopyableError
+from .._errors import (
+    NNXModeVariablesError,
+    NNXSliceExportStateError,
+    NNXSliceNotCopyableError,
+    NNXSlicePartReplacedError,
+)
 from .._trees import is_array
 from .._view import ProgramView
-from ._nnx_state import assign, get_value, is_variable, set_value
+from ._nnx_state import assign, flat_state, get_value, is_variable, set_value
 from ._parts import held_paths
 
 
@@ -133,6 +138,23 @@ class SlicedModule(ProgramView, nnx.Module):
     def __reduce__(self) -> Any:
         raise NNXSliceNotCopyableError()
 
+    def _check_parts(self) -> None:
+        """Refuses a call after the model replaced a submodule the slice holds: the
+        program is traced from the model as it is now, the variables read from the held
+        submodules. Inside a transform the held ones are its copies: compared by graph
+        definition there."""
+        meta = self._jaxslice
+        eager = not _compat.tracing()
+        for path, part in zip(meta.part_paths, self.parts, strict=True):
+            try:
+                now = _at(meta.root, path)
+            except (AttributeError, KeyError, IndexError, TypeError):
+                now = None
+            if now is part or not eager and _same_graph(now, part):
+                continue
+            where = "/".join(map(str, path)) or "(the root)"
+            raise NNXSlicePartReplacedError(path=where, old=_kind(part), new=_kind(now))
+
     def __deepcopy__(self, memo: Any) -> Any:
         raise NNXSliceNotCopyableError()
 
@@ -164,6 +186,7 @@ class SlicedModule(ProgramView, nnx.Module):
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         program = self._jaxslice.program
+        self._check_parts()
         entry, leaves = program.lookup(inputs, kwargs, None, True)
         variables = {**self._variables_by_path(), **self._root_arrays()}
         missing = [
@@ -181,6 +204,21 @@ class SlicedModule(ProgramView, nnx.Module):
 
 
 _CONCRETE = (_compat.CONCRETE_ARRAY, np.ndarray, np.generic)  # not a tracer
+
+
+def _same_graph(a: Any, b: Any) -> bool:
+    return isinstance(a, nnx.Module) and nnx.graphdef(a) == nnx.graphdef(b)
+
+
+def _kind(module: Any) -> str:
+    """A submodule described by its class and variable shapes."""
+    if not isinstance(module, nnx.Module):
+        return "nothing" if module is None else type(module).__name__
+    shapes = [
+        f"{'/'.join(map(str, p))}: {jax.numpy.shape(get_value(v))}"
+        for p, v in flat_state(nnx.state(module))
+    ]
+    return f"{type(module).__name__}({', '.join(shapes[:4])}{', ...' if len(shapes) > 4 else ''})"
 
 
 def _at(node: Any, path: tuple[Any, ...]) -> Any:

@@ -307,8 +307,33 @@ def test_an_nnx_layer_widened_after_observing_or_slicing_is_named(batch):
     for run in (tracker.update, stats.update):
         with pytest.raises(js.VariablesMismatchError, match=r"changed.*'head'.*5\]"):
             run(y)
-    with pytest.raises(js.VariablesMismatchError, match=r"changed.*head/(kernel|bias)"):
+    with pytest.raises(js.VariablesMismatchError, match=r"head was replaced.*\(5,\).* now"):
         sub(y)
+
+
+def test_an_nnx_slice_refuses_a_held_submodule_replaced_by_one_of_the_same_shapes():
+    """The slice holds the model's `head`; after `model.head = NegLinear(...)` (the same
+    variable shapes, other code) it ran the new code on the old layer's variables, which
+    is neither model. Now it says so; a replaced submodule it does not hold (`body`,
+    before its start) changes nothing, and the slice still runs under `nnx.jit`."""
+
+    class NegLinear(nnx.Linear):
+        def __call__(self, h):
+            return -super().__call__(h)
+
+    model = NNXNet(rngs=nnx.Rngs(0))
+    x, h = random_input(10, (3, 3)), random_input(11, (3, 4))
+    sub = js.slice(model, x, start="head", end=None)
+    head = model.head
+    model.body = type(model.body)(rngs=nnx.Rngs(7))
+    assert_trees_all_close(sub(h), head(h))
+    assert_trees_all_close(nnx.jit(lambda s, h: s(h))(sub, h), head(h))
+    model.head = NegLinear(4, 2, rngs=nnx.Rngs(5))
+    with pytest.raises(js.VariablesMismatchError, match=r"head was replaced.*NegLinear"):
+        sub(h)
+    with pytest.raises(js.VariablesMismatchError, match=r"head was replaced"):
+        nnx.jit(lambda s, h: s(h))(sub, h)
+    assert_trees_all_close(js.slice(model, x, start="head", end=None)(h), model.head(h))
 
 
 # --------------------------------------------------------------------------- 3. variables
