@@ -141,8 +141,8 @@ class SlicedModule(ProgramView, nnx.Module):
     def _check_parts(self) -> None:
         """Refuses a call after the model replaced a submodule the slice holds: the
         program is traced from the model as it is now, the variables read from the held
-        submodules. Inside a transform the held ones are its copies: compared by graph
-        definition there."""
+        submodules. Inside a transform the held ones are its copies: compared by class
+        and variable shapes there."""
         meta = self._jaxslice
         eager = not _compat.tracing()
         for path, part in zip(meta.part_paths, self.parts, strict=True):
@@ -150,7 +150,7 @@ class SlicedModule(ProgramView, nnx.Module):
                 now = _at(meta.root, path)
             except (AttributeError, KeyError, IndexError, TypeError):
                 now = None
-            if now is part or not eager and _same_graph(now, part):
+            if now is part or not eager and _alike(now, part):
                 continue
             where = "/".join(map(str, path)) or "(the root)"
             raise NNXSlicePartReplacedError(path=where, old=_kind(part), new=_kind(now))
@@ -206,18 +206,24 @@ class SlicedModule(ProgramView, nnx.Module):
 _CONCRETE = (_compat.CONCRETE_ARRAY, np.ndarray, np.generic)  # not a tracer
 
 
-def _same_graph(a: Any, b: Any) -> bool:
-    return isinstance(a, nnx.Module) and nnx.graphdef(a) == nnx.graphdef(b)
+def _alike(a: Any, b: Any) -> bool:
+    """The same class with variables of the same paths and shapes (inside a transform,
+    where the held submodules are copies, and jaxslice may have tagged them)."""
+    return isinstance(a, nnx.Module) and type(a) is type(b) and _shapes(a) == _shapes(b)
+
+
+def _shapes(module: Any) -> list[str]:
+    return [
+        f"{'/'.join(map(str, p))}: {jax.numpy.shape(get_value(v))}"
+        for p, v in flat_state(nnx.state(module))
+    ]
 
 
 def _kind(module: Any) -> str:
     """A submodule described by its class and variable shapes."""
     if not isinstance(module, nnx.Module):
         return "nothing" if module is None else type(module).__name__
-    shapes = [
-        f"{'/'.join(map(str, p))}: {jax.numpy.shape(get_value(v))}"
-        for p, v in flat_state(nnx.state(module))
-    ]
+    shapes = _shapes(module)
     return f"{type(module).__name__}({', '.join(shapes[:4])}{', ...' if len(shapes) > 4 else ''})"
 
 
