@@ -276,7 +276,7 @@ class Lens:
             sites = self._sites_at(entry, (values, rng_leaves))
             reads = _reads(read, sites)
             statics, arrays = self._normalised(given, sites, sweep)
-        # A call on the state a model holds (NNX) updates it as the model's own call does:
+        # A call on the state a model holds (NNX, Keras) updates it as the model's call does:
         # new batch statistics, the next random draw. A sweep's runs are alternatives,
         # not a sequence: it changes nothing.
         writes = variables is _LIVE and sweep is None and bool(entry.plan.state_paths)
