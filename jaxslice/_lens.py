@@ -117,10 +117,7 @@ class Lens:
             given = None
         self._variables = given if keep_variables else None
         graph = program.base.traced.graph
-        if adapter.holds_variables:
-            own = _LIVE
-        else:
-            own = given if self._view is None else self._view()
+        own = _LIVE if adapter.holds_variables or self._view is not None else given
         seen = probe(graph, self._values_of(program.base, own, self._rngs))
         self._sites = Sites.of(resolver_of(graph), sites, seen)
         self.sites: dict[str, Site] = self._sites.by_name

@@ -187,7 +187,7 @@ def _scope_opens(scope: Call, marked: list[Call]) -> tuple[Any, ...]:
     """Where a scope region opens among the marked calls that start with it (`_events`'
     sort key): just after the innermost it lies in, else before the first it encloses."""
     starts = [c for c in marked if c.start == scope.start]
-    if around := [c.in_seq for c in starts if c.stop >= scope.stop and not _named_in(c, scope)]:
+    if around := [c.in_seq for c in starts if c.stop >= scope.stop and not c.named_in(scope)]:
         return (max(around), 1, len(scope.path))
     return (min((c.in_seq for c in starts), default=math.inf), -1, len(scope.path))
 
@@ -196,15 +196,9 @@ def _scope_closes(scope: Call, marked: list[Call]) -> tuple[Any, ...]:
     """Where a scope region closes among the marked calls that end with it: just before
     the innermost it lies in, else after the last it encloses."""
     stops = [c for c in marked if c.stop == scope.stop]
-    if around := [c.out_seq for c in stops if c.start <= scope.start and not _named_in(c, scope)]:
+    if around := [c.out_seq for c in stops if c.start <= scope.start and not c.named_in(scope)]:
         return (min(around), -1, -len(scope.path))
     return (max((c.out_seq for c in stops), default=-math.inf), 1, -len(scope.path))
-
-
-def _named_in(call: Call, scope: Call) -> bool:
-    """Whether a marked call's name places it inside a scope region (``grp/lin`` in
-    ``grp``): so it is, also where their spans are the same."""
-    return call.name.startswith(scope.name + "/")
 
 
 def _outside_loops(graph: Graph) -> list[Call]:

@@ -125,6 +125,11 @@ class Call:
         """A `jax.named_scope` region (found from the name stack, not from markers)."""
         return self.origin is Origin.SCOPE
 
+    def named_in(self, scope: Call) -> bool:
+        """Whether this call's name places it inside a scope region (``grp/lin`` in
+        ``grp``): so it is, also where their spans are the same."""
+        return self.name.startswith(scope.name + "/")
+
     @property
     def qualname(self) -> str:
         return self.name if self.count == 1 else f"{self.name}@{self.index}"

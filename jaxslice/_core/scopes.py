@@ -62,7 +62,7 @@ def _span_order(c: Call, marked: list[Call]) -> tuple[Any, ...]:
     if not c.is_scope:
         return (c.start, -c.stop, c.in_seq, 0, 0)
     same = [m for m in marked if (m.start, m.stop) == (c.start, c.stop)]
-    inside = [m.in_seq for m in same if m.name.startswith(c.name + "/")]
+    inside = [m.in_seq for m in same if m.named_in(c)]
     return (c.start, -c.stop, min(inside, default=math.inf), -1 if inside else 1, len(c.path))
 
 

@@ -122,11 +122,10 @@ def _training_state(layer: Any) -> str | None:
     """The first layer in `layer` (itself or one it holds) whose call takes `training`
     and that has state such a call updates (a BatchNormalization's moving statistics, a
     Dropout's seed state), by class name; None where there is none."""
-    flatten = getattr(layer, "_flatten_layers", None)
-    for sub in flatten(include_self=True) if flatten else [layer]:
-        own = getattr(sub, "_flatten_layers", lambda **_: [])(include_self=False)
+    for sub in layer._flatten_layers(include_self=True):
+        leaf = not list(sub._flatten_layers(include_self=False))
         takes = "training" in (keywords_of(type(sub).call) or ())
-        if takes and not list(own) and sub.non_trainable_variables:
+        if takes and leaf and sub.non_trainable_variables:
             return type(sub).__name__
     return None
 
