@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
-from ._core.checks import check_mutable
+from ._core.checks import check_mutable, values_at
 from ._core.evaluate import BoundaryEvent, Hooks
 from ._core.evaluate import evaluate as evaluate_graph
 from ._core.jaxprs import row
@@ -231,7 +231,7 @@ class EditedModel:
             check_mutable(entry.plan, mutable, program.adapter)
         graph = entry.traced.graph
         merged = plan.model_values(variables)
-        values = [merged[p] for p in graph.variable_paths]
+        values = values_at(graph, merged, live=plan.live)
         keys = [x for x in jax.tree_util.tree_leaves(rngs) if is_traced_leaf(x)]
         hooks = EditHooks(plan, plan.tables_on(graph), variables, given, self.observe)
         if not (plan.live or mutable):

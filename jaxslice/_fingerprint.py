@@ -16,11 +16,17 @@ would. `model_key` therefore describes the model by value:
   of a NumPy array, which can change in place and is also keyed by identity, since a
   traced program may hold the array itself);
 - containers, dataclasses (linen modules, Equinox modules, configs) and plain objects by
-  their fields, recursively, whatever their ``__hash__`` says (a linen module hashes a
-  config object by identity);
+  their fields (and the values of the slots a class of the user's declares), recursively,
+  whatever their ``__hash__`` says (a linen module hashes a config object by identity);
 - functions by identity plus the values they close over;
+- the class of every object walked, and a class held as a value, with its class-level
+  settings when it is the user's (`_Walk.class_key`, once per class and key: data
+  attributes by value, ``staticmethod``/``classmethod``/functions/properties by the
+  identity of their functions, other callables by value), so ``Config.scale = 4.0`` or
+  ``Block.act = staticmethod(jnp.tanh)`` is seen; classes of the model libraries, NumPy
+  and Python's own are keyed by identity;
 - objects whose class defines value equality (``__eq__`` and ``__hash__``), by themselves;
-- the data attributes of every user-defined module class of the model libraries in use
+- the settings of every user-defined module class of the model libraries in use
   (`classes_key`), since a module built inside ``@nn.compact`` is no field of anything.
 
 Anything else (an object without fields that hashes by identity, a graph too large to
@@ -58,6 +64,8 @@ _MODULE_BASES = (
     ("haiku", "Module"),
 )
 _LIBRARIES = ("flax", "equinox", "haiku", "keras", "jax", "optax", "penzai", "jaxslice")
+# Classes of these packages (and of Python's standard library) are keyed by identity only.
+_NOT_USERS = frozenset((*_LIBRARIES, "builtins", "numpy", "jaxlib", "ml_dtypes"))
 
 
 class Unkeyable(Exception):
@@ -95,10 +103,13 @@ def value_key(value: Any) -> Hashable:
 
 
 class _Walk:
-    def __init__(self, inputs: Container[int] = frozenset()) -> None:
+    def __init__(
+        self, inputs: Container[int] = frozenset(), classes: dict[type, Hashable] | None = None
+    ) -> None:
         self.budget = _BUDGET
         self.inputs = inputs
         self.open: dict[int, int] = {}  # objects being walked -> their order (cycles)
+        self.classes = {} if classes is None else classes  # class -> `class_key`
 
     def key(self, x: Any) -> Hashable:
         self.budget -= 1
@@ -110,15 +121,54 @@ class _Walk:
             if id(x) in self.inputs or isinstance(x, jax.ShapeDtypeStruct):
                 return _array_key(x)
             return _array_key(x), _contents_key(x)
-        if isinstance(x, (type, types.ModuleType, types.BuiltinFunctionType)):
+        if isinstance(x, type):
+            return self.class_key(x)
+        if isinstance(x, (types.ModuleType, types.BuiltinFunctionType)):
             return x
         if id(x) in self.open:
             return ("<cycle>", self.open[id(x)])
         self.open[id(x)] = len(self.open)
         try:
-            return type(x), self._children(x)
+            return self.class_key(type(x)), self._children(x)
         finally:
             del self.open[id(x)]
+
+    def class_key(self, cls: type) -> Hashable:
+        """`cls`, and for a class of the user's the settings of it and of its bases of the
+        user's (a setting can be changed on any of them); each class once per key."""
+        known = self.classes.get(cls)
+        if known is None:
+            if not _is_users(cls):
+                known = self.classes[cls] = cls
+            else:
+                self.classes[cls] = ("<class>", cls)  # a setting that leads back to it
+                bases = [base for base in cls.__mro__ if _is_users(base)]
+                known = self.classes[cls] = (cls, tuple(self.settings(b) for b in bases))
+        return known
+
+    def settings(self, cls: type) -> tuple[Hashable, ...]:
+        """``(name, key)`` of the class-level settings in `cls`'s own body."""
+        return tuple(
+            (name, self._setting(v))
+            for name, v in vars(cls).items()
+            if not name.startswith(("__", *_INTERNAL))
+        )
+
+    def _setting(self, value: Any) -> Hashable:
+        if isinstance(value, (staticmethod, classmethod)):
+            return type(value), self._setting(value.__func__)
+        if isinstance(value, property):
+            return property, tuple(_identity(f) for f in (value.fget, value.fset, value.fdel))
+        if isinstance(value, type):
+            return self.class_key(value)
+        if isinstance(value, types.FunctionType) or (
+            hasattr(value, "__get__") and not callable(value)
+        ):
+            return _identity(value)  # a method, or a descriptor of a library
+        try:  # data, or a callable object: by value, in a walk of its own
+            return _Walk(classes=self.classes).key(value)
+        except (Unkeyable, RecursionError):
+            return "<object>", id(value)
 
     def _children(self, x: Any) -> Hashable:
         for kinds, parts in _PARTS:
@@ -194,13 +244,57 @@ def _cell(cell: Any) -> Any:
 
 def _attributes(x: Any) -> Iterator[tuple[str, Any]]:
     """``(name, value)`` of what an object holds: a dataclass's fields, or a plain object's
-    attributes (raises `Unkeyable` for an object that has neither)."""
+    attributes and the slots its classes of the user's declare (raises `Unkeyable` for an
+    object that has none of these)."""
     if dataclasses.is_dataclass(x):
         return ((f.name, getattr(x, f.name, None)) for f in _fields(x))
     attributes = getattr(x, "__dict__", None)
-    if attributes is None:
+    slots = [(name, getattr(x, name, _UNSET)) for name in _slot_names(type(x))]
+    if attributes is None and not slots:
         raise Unkeyable(type(x).__name__)
-    return ((name, v) for name, v in attributes.items() if not name.startswith(_INTERNAL))
+    held = [(n, v) for n, v in (attributes or {}).items() if not n.startswith(_INTERNAL)]
+    return iter(held + [(name, v) for name, v in slots if v is not _UNSET])
+
+
+_UNSET = object()
+# The slot names of each class (they are fixed when the class is made).
+_SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The slots `cls` and its bases of the user's declare (private ones mangled)."""
+    names = _SLOTS.get(cls)
+    if names is None:
+        found = []
+        for base in cls.__mro__:
+            declared = base.__dict__.get("__slots__", ()) if _is_users(base) else ()
+            for name in (declared,) if isinstance(declared, str) else declared:
+                private = name.startswith("__") and not name.endswith("__")
+                found.append(f"_{base.__name__.lstrip('_')}{name}" if private else name)
+        names = _SLOTS[cls] = tuple(n for n in found if n not in ("__dict__", "__weakref__"))
+    return names
+
+
+# Whether each class is the user's (looked up for every object walked).
+_USERS: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _is_users(cls: type) -> bool:
+    """Whether `cls` is defined outside the model libraries, NumPy and Python itself."""
+    users = _USERS.get(cls)
+    if users is None:
+        top = str(getattr(cls, "__module__", None) or "builtins").split(".")[0]
+        users = _USERS[cls] = top not in _NOT_USERS and top not in sys.stdlib_module_names
+    return users
+
+
+def _identity(value: Any) -> Hashable:
+    """`value` itself where it hashes (a function, by identity), else its id."""
+    try:
+        hash(value)
+    except TypeError:
+        return "<object>", id(value)
+    return value
 
 
 def _fields(x: Any) -> list[dataclasses.Field[Any]]:
@@ -222,20 +316,17 @@ def _hashes_by_value(x: Any) -> bool:
 
 
 def classes_key() -> Hashable:
-    """The class-level data attributes of every user-defined subclass of the module
-    classes of the model libraries imported now (``factor = 2.0`` in a class body,
-    changed later with ``Block.factor = 3.0``)."""
-    found = []
+    """The class-level settings (`_Walk.settings`) of every user-defined subclass of the
+    module classes of the model libraries imported now (``factor = 2.0`` in a class body,
+    changed later with ``Block.factor = 3.0``): a module built inside ``@nn.compact`` is
+    no field of anything the walk of the model sees."""
+    walk, found = _Walk(), []
     for module_name, class_name in _MODULE_BASES:
         base = getattr(sys.modules.get(module_name), class_name, None)
         if base is None:
             continue
         for cls in _subclasses(base):
-            if cls.__module__.split(".")[0] in _LIBRARIES:
-                continue
-            settings = tuple(
-                (name, _setting_key(v)) for name, v in vars(cls).items() if _is_setting(name, v)
-            )
+            settings = walk.settings(cls) if _is_users(cls) else ()
             if settings:
                 found.append((cls, settings))
     return tuple(found)
@@ -248,16 +339,3 @@ def _subclasses(base: type) -> list[type]:
             found.append(cls)
             stack.append(cls)
     return found
-
-
-def _is_setting(name: str, value: Any) -> bool:
-    if name.startswith("__") or isinstance(value, (staticmethod, classmethod, property, type)):
-        return False
-    return not (callable(value) or hasattr(value, "__get__"))
-
-
-def _setting_key(value: Any) -> Hashable:
-    try:
-        return value_key(value)
-    except Unkeyable:
-        return ("<object>", id(value))

@@ -13,13 +13,11 @@ from typing import Any
 import jax
 
 from . import _compat
-from ._core.checks import check_leaves
+from ._core.checks import values_at
 from ._core.evaluate import BoundaryEvent, Equation, Hooks
 from ._core.evaluate import evaluate as evaluate_graph
 from ._core.loops import written_out
 from ._core.program import SliceProgram
-from ._errors import MissingModelVariablesError
-from ._trees import path_str
 from .adapters import adapter_for
 
 __all__ = ["Equation", "Interpreter"]
@@ -147,15 +145,7 @@ class Interpreter(Hooks):
 
 def variable_values(program: SliceProgram, graph: Any, variables: Any) -> list[Any]:
     """Values for `graph.variable_ids`, looked up by path in `variables`."""
-    flat = program.adapter.flat_values(variables)
-    missing = [p for p in graph.variable_paths if p not in flat]
-    if missing:
-        paths = ", ".join(path_str(p) for p in missing[:6])
-        raise MissingModelVariablesError(paths=paths)
-    values = [flat[p] for p in graph.variable_paths]
-    avals = [graph.avals[v] for v in graph.variable_ids]
-    check_leaves(graph.variable_paths, values, avals)
-    return values
+    return values_at(graph, program.adapter.flat_values(variables))
 
 
 _compat.register_frames_exclusion(__file__)

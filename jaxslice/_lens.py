@@ -32,6 +32,7 @@ from typing import Any
 import jax
 
 from . import _compat
+from ._core.checks import values_at
 from ._core.evaluate import evaluate as evaluate_graph
 from ._core.markers import OUTPUT
 from ._core.program import SliceProgram
@@ -44,12 +45,11 @@ from ._errors import (
     LensSitesSpecError,
     LensSweepAxisError,
     LensSweepEmptyError,
-    MissingModelVariablesError,
 )
 from ._interpreter import variable_values
 from ._lens_run import LensHooks, first_row, intervention, placed, probe
 from ._lens_sites import Site, Sites, counted
-from ._trees import nest, path_str
+from ._trees import nest
 from .adapters import adapter_for
 
 KINDS = ("scale", "add", "set")  # applied at a site in this order
@@ -238,12 +238,8 @@ class Lens:
         graph = entry.traced.graph
         if variables is _LIVE and self._view is not None:
             variables = self._view()
-        if variables is _LIVE:
-            flat = self._adapter.live_variables(self._target)
-            missing = [p for p in graph.variable_paths if p not in flat]
-            if missing:
-                raise MissingModelVariablesError(paths=", ".join(path_str(p) for p in missing[:6]))
-            values = [flat[p] for p in graph.variable_paths]
+        if variables is _LIVE:  # another shape now: the model changed since the lens was made
+            values = values_at(graph, self._adapter.live_variables(self._target), live=True)
         else:
             values = variable_values(self._program, graph, variables)
         return values, self._program.rng_leaves(entry, rngs)

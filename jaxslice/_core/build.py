@@ -20,7 +20,7 @@ prefix.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import _compat
@@ -44,6 +44,8 @@ class Signature:
     out_tree: Any
     out_statics: dict[int, Any]
     state_paths: Sequence[tuple[Any, ...]] = ()
+    #: variables that held a Python number (a constant of the program), by path
+    number_variables: Mapping[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict)
 
 
 ROWS = "rows"
@@ -222,6 +224,7 @@ def _invars(g: Graph, invars: Sequence[Any], sig: Signature) -> list[int]:
     ids = [g.new_value(_compat.aval_of(v)) for v in invars]
     g.variable_ids, g.rng_ids, g.input_ids = ids[:nv], ids[nv : nv + nr], ids[nv + nr :]
     g.variable_paths = list(sig.variable_paths)
+    g.number_variables = dict(sig.number_variables)
     g.input_tree = sig.input_tree
     values, statics = iter(g.input_ids), iter(sig.input_statics)
     g.input_slots = [

@@ -6,6 +6,7 @@ keyword and says what to pass instead.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -15,8 +16,10 @@ import numpy as np
 from .. import _compat
 from .._errors import (
     DeletedArrayError,
+    MissingModelVariablesError,
     ModelChangedError,
     NoStateError,
+    NumberVariableError,
     TracedModeError,
     UnaskedUpdatesError,
     VariableShapeError,
@@ -41,6 +44,35 @@ def check_leaves(paths: Any, leaves: list[Any], avals: Any, live: bool = False) 
                 got, want = error.facts["got"], error.facts["want"]
                 change = f"its variable {path_str(path)} is {got}, traced as {want}"
                 raise ModelChangedError(change=change) from None
+
+
+def values_at(graph: Any, flat: Mapping[Any, Any], live: bool = False) -> list[Any]:
+    """The values of `graph.variable_ids`, looked up by path in `flat`, checked against
+    the trace (`check_leaves`, `check_numbers`). `live`: read from a model that holds its
+    variables (NNX), so another shape means the model changed."""
+    missing = [p for p in graph.variable_paths if p not in flat]
+    if missing:
+        raise MissingModelVariablesError(paths=", ".join(path_str(p) for p in missing[:6]))
+    values = [flat[p] for p in graph.variable_paths]
+    check_leaves(graph.variable_paths, values, [graph.avals[v] for v in graph.variable_ids], live)
+    check_numbers(graph.number_variables, flat)
+    return values
+
+
+def check_numbers(numbers: Mapping[Any, Any], flat: Mapping[Any, Any]) -> None:
+    """Each variable that held a Python number when traced (`Graph.number_variables`),
+    where `flat` (variables by path) has it, holds that number still: the program
+    computes with it, as `jax.jit` does with a static argument. Under a transformation
+    (`jax.jit` of `sub.apply`) a number becomes a scalar tracer, whose value cannot be
+    read: a scalar there passes."""
+    for path, number in numbers.items():
+        now = flat.get(path, number)
+        if hasattr(now, "shape") and not now.shape and _compat.tracing():
+            continue  # a number passed through a transformation: its value is not known
+        same = type(now) is type(number) and (now == number or (now != now and number != number))
+        if not same:
+            now = f"an array {describe_aval(now)}" if hasattr(now, "shape") else repr(now)
+            raise NumberVariableError(path=path_str(path), traced=repr(number), now=now)
 
 
 def _check_leaf(path: Any, leaf: Any, aval: Any) -> None:

@@ -129,7 +129,9 @@ def _kept_results(eqns: Sequence[Any], given: set[int]) -> list[list[bool] | Non
 
 
 def assemble(trees: Any, values: Sequence[Any]) -> Any:
-    """Fills pytrees of `Slot`s (one, a tuple or a dict of them) with `values` in order."""
+    """Fills pytrees of `Slot`s (one, a plain tuple or a plain dict of them) with `values`
+    in order. Each tree keeps its own structure: a NamedTuple, a dataclass or a dict
+    subclass the model returns comes back as that type, its None fields included."""
     it = iter(values)
 
     def fill(tree: Any) -> Any:

@@ -168,6 +168,8 @@ class Graph:
     eqns: list[Eqn] = dataclasses.field(default_factory=list)
     variable_ids: list[int] = dataclasses.field(default_factory=list)
     variable_paths: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+    # Variables that held a Python number when traced: the program computes with it.
+    number_variables: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict)
     rng_ids: list[int] = dataclasses.field(default_factory=list)
     input_ids: list[int] = dataclasses.field(default_factory=list)
     input_tree: Any = None  # treedef of (args, kwargs) with all leaves

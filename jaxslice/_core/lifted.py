@@ -8,14 +8,16 @@ equation as one call with the loop's ports, and `vmap`'s results after the axis 
 returns (`loops.py` uses it too).
 
 Sharp edge: this is pattern matching on the equations the transforms emit (axis
-permutations around the loop, made by `vmap`); a port it cannot match keeps the value
-seen inside the transform.
+permutations around the loop made by Flax's code, as the source line JAX records says,
+and by `vmap`); a port it cannot match keeps the value seen inside the transform.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,8 +115,21 @@ def _unmoved_result(g: Graph, readers: dict, v: int, pos: int) -> tuple[int, int
 
 
 def _moves_axes(g: Graph, pos: int) -> bool:
+    """Whether the equation at `pos` is an axis permutation a lifted transform made: one
+    Flax's own code emitted (``nn.scan(..., in_axes=1)``), not the model's (a batch-major
+    RNN's ``jnp.swapaxes(x, 0, 1)`` before its loop is the caller's own operand)."""
     eqn = g.eqns[pos]
-    return _compat.is_axis_permutation(eqn.jax_eqn) and not g.is_free(eqn.ins[0])
+    if not _compat.is_axis_permutation(eqn.jax_eqn) or g.is_free(eqn.ins[0]):
+        return False
+    line = _compat.source_line(eqn.jax_eqn)
+    return line is not None and line.startswith(_flax_dir())
+
+
+@functools.cache
+def _flax_dir() -> str:
+    import flax
+
+    return os.path.dirname(flax.__file__) + os.sep
 
 
 def _call_trees(

@@ -200,22 +200,38 @@ def spec_items(spec: Any) -> list[Any]:
     before resolving it."""
     if spec is None:
         return []
-    return flat_ports(tuple(spec) if isinstance(spec, list) else spec)
+    return flat_ports(_as_container(spec))
+
+
+def _as_container(spec: Any) -> Any:
+    """A user's container of names (a list, a tuple or a dict, subclasses too) as a plain
+    tuple or dict, the containers `flat_ports` and `map_ports` take apart."""
+    if isinstance(spec, (list, tuple)):
+        return tuple(spec)
+    return dict(spec) if isinstance(spec, dict) else spec
 
 
 def flat_ports(ends: Any) -> list[Any]:
-    """The items of an end specification (a single item, a tuple or a dict), in order."""
-    if isinstance(ends, tuple):
+    """The items of resolved ends, or of the trees they yield (one item, a plain tuple or
+    a plain dict of them), in order.
+
+    Only a plain tuple or dict is a container of ends (`resolve_ends` makes the user's one
+    so). An end's own tree may be a tuple or dict subclass (a NamedTuple, a HF
+    ``ModelOutput``): that is one item, kept whole, so its type survives `map_ports`.
+    (A plain tuple or dict as one end's tree comes out the same either way.)
+    """
+    if type(ends) is tuple:
         return list(ends)
-    if isinstance(ends, dict):
+    if type(ends) is dict:
         return list(ends.values())
     return [ends]
 
 
 def map_ports(fn: Callable[[Any], Any], ends: Any) -> Any:
-    if isinstance(ends, tuple):
+    """`fn` of each item of ends (see `flat_ports`), in a container like theirs."""
+    if type(ends) is tuple:
         return tuple(fn(p) for p in ends)
-    if isinstance(ends, dict):
+    if type(ends) is dict:
         return {k: fn(p) for k, p in ends.items()}
     return fn(ends)
 
@@ -249,8 +265,7 @@ _END_TYPES = (Name, Selection, ActivationOf, type(None), list, tuple, dict)
 def resolve_ends(graph: Graph, resolver: Resolver, end: Any) -> Any:
     """A `Selection`, a tuple or a dict of them, as `end` was given."""
     _check_end(end)
-    ends = tuple(end) if isinstance(end, list) else end
-    return map_ports(functools.partial(_end_port, graph, resolver), ends)
+    return map_ports(functools.partial(_end_port, graph, resolver), _as_container(end))
 
 
 def _check_end(end: Any) -> None:

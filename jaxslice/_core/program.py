@@ -41,7 +41,7 @@ from . import emit as emit_
 from . import exporting, loops, markers, remark
 from . import variables as variables_
 from .arguments import input_leaves, retrace_inputs, same_shapes, signature
-from .checks import check_alive, check_leaves, check_mutable, mode_key, mode_value
+from .checks import check_alive, check_leaves, check_mutable, check_numbers, mode_key, mode_value
 from .jitted import JitCalls
 from .plan import Plan, StateRules, plan
 from .ports import adopted, parsed, written
@@ -251,6 +251,7 @@ class SliceProgram:
         live = self.adapter.live_variables(self.target)
         leaves = [live[p] for p in entry.plan.variable_paths]
         check_leaves(entry.plan.variable_paths, leaves, entry.variable_avals, live=True)
+        check_numbers(entry.traced.graph.number_variables, live)
         return leaves
 
     def run(
@@ -385,6 +386,8 @@ class SliceProgram:
             entry.indexes.put((treedef, strict), index)
         picked = [leaves[i] for i in index]
         check_leaves(entry.plan.variable_paths, picked, entry.variable_avals)
+        if numbers := entry.traced.graph.number_variables:  # Python numbers it computes with
+            check_numbers(numbers, dict(jax.tree_util.tree_flatten_with_path(variables)[0]))
         return picked
 
     def _index_variables(self, entry: Entry, variables: Any, strict: bool) -> list[int]:

@@ -166,6 +166,10 @@ def _needs(points: list[tuple[str, int | None]]) -> dict[str, int]:
     return needs
 
 
+# Python numbers among the variables: constants of a trace (`checks.check_numbers`).
+_NUMBERS = (bool, int, float, complex)
+
+
 @dataclasses.dataclass
 class _Leaves:
     """A pytree split into traced leaves (arrays) and fixed ones."""
@@ -307,6 +311,7 @@ def _trace_once(
         out_tree=info["tree"],
         out_statics=info["statics"],
         state_paths=info["state_paths"],
+        number_variables={p: x for p, x in var_flat if isinstance(x, _NUMBERS)},
     )
     began = time.perf_counter()
     graph = build(closed, signature, name_scopes=adapter.name_scopes)

@@ -51,6 +51,16 @@ class RatioError(InvalidSpecError):
     TEMPLATE = "{name} ratio must be a finite number >= 1, got {ratio!r}."
 
 
+class RatioRangeError(RatioError):
+    """A pair criterion's `ratio` is larger than float32, the criteria's arithmetic, holds."""
+
+    TEMPLATE = (
+        "{name} ratio {ratio!r} is larger than float32 holds: neuron values are compared "
+        "in float32, where it would be inf (and inf * 0 is NaN, so no value change from 0 "
+        "would count). Give a ratio of at most {largest}."
+    )
+
+
 class ThresholdError(InvalidSpecError):
     """NC's threshold is not a number in [0, 1)."""
 

@@ -27,6 +27,18 @@ class ModelChangedError(VariablesMismatchError):
     )
 
 
+class NumberVariableError(VariablesMismatchError):
+    """A variable that held a Python number when traced holds something else now."""
+
+    TEMPLATE = (
+        "The variable {path} held the Python number {traced} when this was traced, so it "
+        "computes with that number (as `jax.jit` does with a static argument); it is "
+        "{now} now. Hold an array there instead (e.g. `jnp.asarray({traced})`, or "
+        "`nnx.Param(jnp.asarray({traced}))`) so that each call reads its value and training "
+        "updates it, or slice (or make the lens, edit or tracker) again."
+    )
+
+
 class VariablesStructureError(VariablesMismatchError):
     """The variables passed lack paths the slice reads, or hold arrays it does not use."""
 

@@ -137,8 +137,11 @@ class KerasSlice(ProgramView, keras.Model):
 
     def _training(self) -> tuple[list[tuple[str, ...]], bool]:
         """(`_held_keys`, whether training mode updates state), found by tracing the
-        training mode once, the first time Keras (or a training call) asks."""
-        if self._held is None:
+        training mode the first time Keras (or a training call) asks, and again once the
+        layers' `trainable` flags changed (a frozen `BatchNormalization` keeps its moving
+        statistics; the model is traced again for its new flags too)."""
+        flags = tuple(layer.trainable for layer in self._js.layers.values())
+        if self._held is None or self._held[0] != flags:
             flat = jax.tree_util.tree_flatten_with_path(self.sliced.variables)[0]
             keys, updates = [path_names(p) for p, _ in flat], False
             program = self._slice_program()
@@ -153,8 +156,8 @@ class KerasSlice(ProgramView, keras.Model):
             else:
                 keys += [path_names(p) for p in entry.plan.variable_paths]
                 updates = bool(entry.plan.state_paths)
-            object.__setattr__(self, "_held", (list(dict.fromkeys(keys)), updates))
-        return self._held
+            object.__setattr__(self, "_held", (flags, list(dict.fromkeys(keys)), updates))
+        return self._held[1:]
 
     # -- jaxslice's side
     def _slice_program(self) -> Any:

@@ -57,18 +57,58 @@ def _module_path(module: Any) -> tuple[str, ...]:
     return (*_module_path(parent), str(name))
 
 
-def _interceptor(next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
-    module = context.module
-    path = _module_path(module)
-    if not path or context.method_name in _SKIPPED_METHODS:
-        return next_fun(*args, **kwargs)
-    record = new_record(
-        origin=Origin.MODULE,
-        path=path,
-        method=context.method_name,
-        module_type=type(module).__name__,
-    )
-    return call_marked(next_fun, args, kwargs, record)
+class _Interceptor:
+    """Marks the submodule calls of one call of the model (`nn.intercept_methods`).
+
+    A bound submodule applied on its own, ``self.head.apply({"params": ...}, h)`` (how
+    HF Flax models apply a tied output layer), runs in a scope of its own whose path is
+    ``()``. It is named by where it is called: the path of the call under way and its own
+    name (``head`` in the model's own call, ``block/head`` in block's), and its own
+    submodules below that. Its scope's root is not the model's, which is how it differs
+    from the model's own methods (path ``()`` too). A lifted transform's scope keeps its
+    path; its modules keep the place of the call they run in.
+    """
+
+    def __init__(self) -> None:
+        # id of a root scope -> (the scope, the path its modules' paths are under)
+        self.roots: dict[int, tuple[Any, tuple[str, ...]]] = {}
+        self.under_way: list[tuple[tuple[str, ...], tuple[str, ...]]] = []  # (path, root's)
+
+    def path(self, module: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """A module's path in the model, and the path its scope's root sits at."""
+        own = _module_path(module)
+        scope = getattr(module, "scope", None)
+        if scope is None:
+            return own, ()
+        root = scope.root
+        found = self.roots.get(id(root))
+        if found is None:
+            where, above = self.under_way[-1] if self.under_way else ((), ())
+            name = getattr(module, "name", None)
+            applied = not own and name is not None and bool(self.under_way)
+            found = self.roots[id(root)] = (root, (*where, str(name)) if applied else above)
+        return (*found[1], *own), found[1]
+
+    def __call__(
+        self, next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any
+    ) -> Any:
+        if context.method_name in _SKIPPED_METHODS:
+            return next_fun(*args, **kwargs)
+        module = context.module
+        path, above = self.path(module)
+        self.under_way.append((path, above))
+        try:
+            if not path:  # the model's own call
+                return next_fun(*args, **kwargs)
+            record = new_record(
+                origin=Origin.MODULE,
+                path=path,
+                method=context.method_name,
+                module_type=type(module).__name__,
+            )
+            return call_marked(next_fun, args, kwargs, record)
+        finally:
+            self.under_way.pop()
 
 
 def _params(variables: Any) -> Any:
@@ -92,7 +132,7 @@ class LinenAdapter(CollectionNodes, Adapter):
         import flax.linen as nn
 
         extra = {} if call.rngs is None else {"rngs": call.rngs}
-        with nn.intercept_methods(_interceptor), _compat.quick_param_checks():
+        with nn.intercept_methods(_Interceptor()), _compat.quick_param_checks():
             result = target.apply(
                 call.variables, *call.args, **extra, mutable=call.mutable, **call.kwargs
             )

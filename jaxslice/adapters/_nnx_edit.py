@@ -22,6 +22,7 @@ from typing import Any
 from flax import nnx
 
 from .. import _compat
+from .._core.checks import check_leaves, check_numbers
 from .._errors import NNXEditedExportStateError, NNXEditedNotCopyableError, NNXNodeStateError
 from .._trees import joined_key
 from .._view import RunsProgram
@@ -100,6 +101,8 @@ class EditedModule(RunsProgram, nnx.Module):
         entry, leaves = program.lookup(inputs, call_inputs, None, False)
         flat = program.adapter.flat_values(variables)
         values = [flat[p] for p in entry.plan.variable_paths]  # those this mode reads
+        check_leaves(entry.plan.variable_paths, values, entry.variable_avals, live=True)
+        check_numbers(entry.traced.graph.number_variables, flat)
         out, state = program.run(entry, values, [], leaves, False)
         for key, value in state.items():
             path, leaf = held[key]

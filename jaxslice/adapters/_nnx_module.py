@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from .. import _compat
-from .._core.checks import check_leaves
+from .._core.checks import check_leaves, check_numbers
 from .._errors import (
     NNXModeVariablesError,
     NNXSliceExportStateError,
@@ -52,9 +52,13 @@ class _Static:
 
 
 def _held(root: Any, program: Any) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-    """The module paths (and loose variable paths) a slice must hold."""
+    """The module paths (and loose variable paths) a slice must hold: also each variable
+    that held a Python number when traced, to check at each call that it still does."""
     modules = [tuple(p) for p, node in nnx.iter_graph(root) if isinstance(node, nnx.Module)]
-    return held_paths(modules, program)
+    parts, loose = held_paths(modules, program)
+    numbers = program.base.traced.graph.number_variables
+    inside = lambda p: any(p[: len(m)] == m for m in parts)  # noqa: E731
+    return parts, loose + [p for p in numbers if p not in loose and not inside(p)]
 
 
 class SlicedModule(ProgramView, nnx.Module):
@@ -197,6 +201,8 @@ class SlicedModule(ProgramView, nnx.Module):
             raise NNXModeVariablesError(paths=paths)
         values = [get_value(variables[p]) for p in entry.plan.variable_paths]
         check_leaves(entry.plan.variable_paths, values, entry.variable_avals, live=True)
+        numbers = entry.traced.graph.number_variables
+        check_numbers(numbers, {p: get_value(variables[p]) for p in numbers if p in variables})
         result, state = program.run(entry, values, [], leaves, True)
         for path, value in state:
             self._write(path, variables[path], value)

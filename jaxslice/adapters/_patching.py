@@ -3,11 +3,13 @@
 Used by the model kinds whose modules are plain Python objects called directly (Flax NNX,
 Equinox, Keras), where no library hook sees every call. While a trace needs it, each
 class's ``__call__`` is replaced by a wrapper that marks a call only when its ``self`` is
-one of the modules of the model traced *in the current context*: a context variable maps
-``id(module)`` to the module's path, so other threads, other models and the same classes
-used outside the trace pass straight through. Patching is reference-counted under a
-lock (`_shared`), so concurrent traces share the wrappers, and each class gets its own
-``__call__`` back (or none, if it inherited it) when the last trace ends, also when
+one of the modules of the model traced *in the current context*: a context variable holds
+the trace's naming (``id(module)`` to the module's path, and the trace's own finder of
+the paths of copies), so other threads, other models and the same classes used outside
+the trace pass straight through, and traces that overlap never name each other's
+modules: the shared wrappers hold nothing of any one trace. Patching is reference-counted
+under a lock (`_shared`), so concurrent traces share the wrappers, and each class gets its
+own ``__call__`` back (or none, if it inherited it) when the last trace ends, also when
 tracing fails.
 
 A call of a module from inside its own ``__call__`` (a ``super().__call__`` chain, or a
@@ -28,8 +30,9 @@ from .._shared import SHARED
 #: Finds the path of a module the id map does not know (a copy a transform made), or None.
 PathOf = Callable[[Any], "tuple[str, ...] | None"]
 
-_PATHS: contextvars.ContextVar[dict[int, tuple[str, ...]] | None] = contextvars.ContextVar(
-    "jaxslice_module_paths", default=None
+#: the naming of the trace in this context: ``(id -> path, finder of copies' paths)``
+_NAMING: contextvars.ContextVar[tuple[dict[int, tuple[str, ...]], PathOf] | None] = (
+    contextvars.ContextVar("jaxslice_module_paths", default=None)
 )
 _IN_CALL: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
     "jaxslice_module_in_call", default=frozenset()
@@ -40,11 +43,11 @@ def _no_path(module: Any) -> None:
     return None
 
 
-def _wrapper(original: Callable[..., Any], path_of: PathOf) -> Callable[..., Any]:
+def _wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        paths = _PATHS.get()
-        path = None if paths is None else (paths.get(id(self)) or path_of(self))
+        naming = _NAMING.get()
+        path = None if naming is None else (naming[0].get(id(self)) or naming[1](self))
         busy = _IN_CALL.get()
         if not path or id(self) in busy:  # the root, a foreign module, or a super() call
             return original(self, *args, **kwargs)
@@ -60,10 +63,10 @@ def _wrapper(original: Callable[..., Any], path_of: PathOf) -> Callable[..., Any
     return __call__
 
 
-def _wrap_call(cls: type, path_of: PathOf) -> Callable[[], None]:
+def _wrap_call(cls: type) -> Callable[[], None]:
     """Wraps a class's ``__call__``; returns what gives it back (or none, if inherited)."""
     original = cls.__dict__.get("__call__")
-    cls.__call__ = _wrapper(original if original is not None else cls.__call__, path_of)
+    cls.__call__ = _wrapper(original if original is not None else cls.__call__)
     if original is None:
         return lambda: delattr(cls, "__call__")
     return lambda: setattr(cls, "__call__", original)
@@ -80,11 +83,12 @@ def marked_calls(
     paths: dict[int, tuple[str, ...]], classes: Iterable[type], path_of: PathOf = _no_path
 ) -> Iterator[None]:
     """Marks calls of the modules in `paths` (``id -> path``) inside the block, in this
-    context only; `classes` are the classes whose ``__call__`` to wrap."""
-    wrapped = {("__call__", cls): functools.partial(_wrap_call, cls, path_of) for cls in classes}
+    context only; `classes` are the classes whose ``__call__`` to wrap. `path_of` finds
+    the path of a copy of one of them (it belongs to this trace, like `paths`)."""
+    wrapped = {("__call__", cls): functools.partial(_wrap_call, cls) for cls in classes}
     with SHARED.held(wrapped):
-        token = _PATHS.set(paths)
+        token = _NAMING.set((paths, path_of))
         try:
             yield
         finally:
-            _PATHS.reset(token)
+            _NAMING.reset(token)

@@ -1,14 +1,17 @@
 """Plain JAX functions: `fn(variables, *inputs)`.
 
 Boundaries are calls of functions wrapped with `js.mark(name)` and `jax.named_scope`
-regions, and the module calls of Haiku functions it applies (named as Haiku keys their
-parameters, as for an `hk.Transformed` target). `js.mark` also opens a
-`jax.named_scope` of its name, so a marked function's name is its full scope path (marks
-and scopes nest alike), and profiles show the same names.
+regions, the module calls of Haiku functions it applies (named as Haiku keys their
+parameters, as for an `hk.Transformed` target), and the calls of Equinox modules that its
+first argument holds (named by attribute path, as for an `eqx.Module` target, so
+``fn(model, x)`` that vmaps `model` keeps the names ``c1``, ``mlp/linear``). `js.mark`
+also opens a `jax.named_scope` of its name, so a marked function's name is its full scope
+path (marks and scopes nest alike), and profiles show the same names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -21,9 +24,12 @@ import jax
 
 from .._core.markers import Origin, call_marked, new_record
 from .._errors import MarkNameError, PlainNoParamsError
+from .._trees import path_names
 from .._warnings import SingleArgumentWarning
 from ._base import Adapter, Split, count_by_prefix, keywords_of, leaf_sizes, split_kwargs
+from ._equinox import modules_of
 from ._haiku import haiku_interception, haiku_parameter_counts
+from ._patching import callable_classes, marked_calls
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -90,7 +96,7 @@ class PlainAdapter(Adapter):
         return Split(variables=args[0], rngs=None, args=tuple(args[1:]), kwargs=inputs, mode=mode)
 
     def call(self, target: Any, call: Split) -> tuple[Any, Any]:
-        with haiku_interception():
+        with haiku_interception(), _equinox_marking(call.variables):
             return target(call.variables, *call.args, **call.kwargs), None
 
     def accepted_keywords(self, target: Any) -> set[str] | None:
@@ -102,6 +108,21 @@ class PlainAdapter(Adapter):
         for name, size in haiku_parameter_counts(variables).items():
             counts.setdefault(name, size)
         return counts
+
+
+def _equinox_marking(variables: Any) -> contextlib.AbstractContextManager[None]:
+    """Marks the calls of the Equinox modules in `variables`, named by their attribute
+    paths in it (none for a model passed whole: its submodules are ``c1``, ``mlp/linear``,
+    as when it is the target)."""
+    if "equinox" not in sys.modules:  # then `variables` holds no Equinox module
+        return contextlib.nullcontext()
+    import equinox as eqx
+
+    found = [(p, m) for p, m in modules_of(variables) if isinstance(m, eqx.Module)]
+    paths = {id(m): path_names(p) for p, m in found if p}
+    if not paths:
+        return contextlib.nullcontext()
+    return marked_calls(paths, callable_classes(m for _, m in found))
 
 
 def _takes_one_argument(fn: Any) -> bool:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._errors import RatioError
+from .._errors import RatioError, RatioRangeError
 from ._criteria import Criterion, check_int, is_number, pick
 
 SIGN, VALUE = "sign", "value"
@@ -60,10 +60,15 @@ def _far_apart(a: Any, b: Any, ratio: float) -> Any:
 
 
 def _check_ratio(name: str, ratio: Any) -> float:
+    """`ratio` as a float: a finite number >= 1 that float32, in which the criteria
+    compare values, holds (a larger one would be inf there, and inf · 0 NaN)."""
     if not is_number(ratio, (int, float, np.integer, np.floating)) or not (
         math.isfinite(ratio) and ratio >= 1
     ):
         raise RatioError(name=name, ratio=ratio)
+    with np.errstate(over="ignore"):
+        if np.isinf(np.float32(ratio)):
+            raise RatioRangeError(name=name, ratio=ratio, largest=str(np.finfo(np.float32).max))
     return float(ratio)
 
 
@@ -413,7 +418,10 @@ _PAIRS_DOC = """{title} coverage for adjacent layers (Sun et al., 2019), an MC/D
     criteria for deep neural networks", ACM TECS 18(5s), 2019.
     """
 
-_RATIO_ARG = "      ratio: r >= 1, how many times larger one magnitude must be than the other.\n"
+_RATIO_ARG = (
+    "      ratio: r >= 1, how many times larger one magnitude must be than the other (at\n"
+    "        most float32's largest, 3.4028235e+38: values are compared in float32).\n"
+)
 
 
 class SignSign(PairCriterion):

@@ -28,7 +28,9 @@ class CoverageResult(PrintsAsTable, dict):
         """``{boundary: text}`` for drawing (``to_dot(annotations=...)``): each layer's
         figure per criterion, e.g. ``"NC 0.83"``; a pair criterion's figure goes on the
         second layer of the pair, e.g. ``"SignSign fc1→ 0.25"``. Several criteria share
-        a node's line. Default: every criterion of the result.
+        a node's line. Default: every criterion of the result. Keys are the tracker's
+        layer names; `to_dot` draws one it has no node for (an iteration of a scan,
+        ``layers[0]/mlp``, or a call below its `depth`) on the node drawn around it.
 
         Raises:
           InvalidSpecError: a criterion the result does not have.

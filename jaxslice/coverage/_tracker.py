@@ -16,7 +16,10 @@ iterations, so the step does not grow with the number of iterations. A batch of 
 profile) was not compiled for is padded, on the host, to the smallest size it was
 compiled for that holds it (with copies of its last input, which the criteria and the
 statistics mask out: a padding row covers and counts nothing), so a smaller last batch
-compiles nothing; a batch larger than any before compiles for its size. (With a
+compiles nothing; a batch larger than any before compiles for its size. Only where the
+model, as it runs at that call, keeps the rows of a batch apart (`Observer.rows_apart`,
+read from the traced equations): one that mixes them (BatchNorm in training mode,
+centring over the batch) runs each batch at its own size. (With a
 criterion of the user's own that does not mask rows, `Criterion.masks_rows`, the update
 gets every batch as it comes.)
 """
@@ -125,14 +128,8 @@ class Tracker(Observing):
         self._profile: list[Moments] | None = None  # per unit
         # The batch sizes each step was compiled for; a batch of a new size is padded to
         # the smallest of them that holds it (the update's only where every criterion
-        # masks rows), except for a model that updates state as it runs (BatchNorm in
-        # training mode): it normalises a batch with its own statistics, so a padding
-        # row would change the others, and its batches run at their own size.
-        rows_apart = not self._observer.updates_state
-        self._pads = {
-            _PROFILE: rows_apart,
-            _UPDATE: rows_apart and all(c.masks_rows for c in self.criteria),
-        }
+        # masks rows), where the model keeps the rows apart (`_compiled_size`).
+        self._pads = {_PROFILE: True, _UPDATE: all(c.masks_rows for c in self.criteria)}
         self._compiled: dict[int, set[int]] = {_PROFILE: set(), _UPDATE: set()}
         self.reset()
 
@@ -326,13 +323,19 @@ class Tracker(Observing):
 
     def _compiled_size(self, step: int, batch: Any, n: int) -> Any:
         """`batch` (of `n` inputs) padded to the smallest size `step` was compiled for that
-        holds it (as it is where none does, or where the step does not pad)."""
+        holds it (as it is where none does, or where the step does not pad). A model
+        that mixes the rows of a batch as it runs now (BatchNorm in training mode,
+        centring over the batch: `Observer.rows_apart`) would give the real rows other
+        values with padding rows among them, so its batches run at their own size."""
         sizes = self._compiled[step]
         size = min((s for s in sizes if s >= n), default=n) if self._pads[step] and n else n
+        if size != n:
+            padded = _padded(self.inputs(batch), self._observer.batched, n, size)
+            if self._observer.rows_apart(padded):
+                return padded
+            size = n
         sizes.add(size)
-        if size == n:
-            return batch
-        return _padded(self.inputs(batch), self._observer.batched, n, size)
+        return batch
 
     def _grouped(self) -> list[tuple[Any, list[Criterion]]]:
         return [(family, [self.criteria[i] for i in members]) for family, members in self._groups]

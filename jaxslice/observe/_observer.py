@@ -47,6 +47,7 @@ from .._errors import (
 from .._table import describe
 from .._trees import abstract, is_traced_leaf
 from ..adapters import adapter_for
+from ._rows import rows_apart
 
 GRANULARITIES = ("channel", "element")
 POSITIONS = ("output", "activation")
@@ -277,12 +278,25 @@ class Observer:
         self.firsts, avals = _first_arrays(self.layers, self.program.base)
         self.shapes = [tuple(a.shape) for a in avals]
 
-    @property
-    def updates_state(self) -> bool:
-        """Whether the model, as traced, computes new values of state it holds (BatchNorm
-        statistics in training mode): such a model mixes the rows of a batch."""
-        graph = self.program.base.traced.graph
-        return any(v not in graph.variable_set for v in graph.state_ids)
+    def rows_apart(self, batch: Any) -> bool:
+        """Whether the layers' outputs at `batch`'s shape, as the model runs now (an NNX
+        model's mode, read at each call), keep the rows of the batch apart: each output
+        row from its own input row alone (`_rows.rows_apart`), so that rows padding a
+        batch change no other. Worked out once per traced shape and mode, from the traced
+        equations (nothing runs); a model that mixes rows (BatchNorm in training mode,
+        centring over the batch) does not."""
+        args = self.inputs(batch)
+        entry, _ = self.program.lookup(args, {}, self.rngs, self.program.base.traced.split.mutable)
+        apart = entry.__dict__.get("observer_rows_apart")
+        if apart is None:
+            size = self.batch_size(batch)
+            graph, plan = entry.traced.graph, entry.plan
+            inputs = {i: 0 for i in plan.input_ids if graph.avals[i].shape[:1] == (size,)}
+            depths = [len(where.depths) for where in self._ends()]
+            outputs = [(plan.output_ids[i], d) for i, d in zip(self.firsts, depths, strict=True)]
+            apart = rows_apart(plan.to_run, graph.avals, inputs, outputs)
+            entry.__dict__["observer_rows_apart"] = apart
+        return apart
 
     def batch_size(self, batch: Any) -> int:
         """How many inputs `batch` holds (checked as `inputs` does)."""
@@ -338,6 +352,11 @@ class Observer:
             step = steps[key] = jax.jit(make_step(outputs), donate_argnums=donated)
         return step(var_leaves, rng_leaves, leaves, *state)
 
+    def _ends(self) -> list[Selection]:
+        """Each observed end's record: the layers', then again theirs for the outputs
+        observed beside the activations (`also_outputs`)."""
+        return self.records * (len(self.firsts) // len(self.records))
+
     def _unbatched(self) -> list[str]:
         """The layers whose outputs lack the sample's batch size on their batch axis (the
         first after a stack's iterations): a model that takes one example (an Equinox
@@ -355,8 +374,8 @@ class Observer:
         if type(self.program.adapter).__name__ == "EquinoxAdapter":
             fix = (
                 "An Equinox module takes one example: observe a function that vmaps it, "
-                "e.g. `js.coverage.Tracker(lambda m, x: jax.vmap(m)(x), model, x)` (or "
-                "`eqx.filter_vmap(model)`), with a batch of examples."
+                "e.g. `js.coverage.Tracker(lambda m, x: jax.vmap(m)(x), model, x)`, with a "
+                "batch of examples (its layers keep their names: `c1`, `mlp/linear`)."
             )
         else:
             fix = (
@@ -373,15 +392,19 @@ class Observer:
 
     def _check_outputs(self, entry: Any, batch: int) -> None:
         """The layers' outputs at a new input shape have the shapes the observer was
-        made for, but for the batch size (the leading axis, or the old batch size's
-        axis where iterations come first): state sized for the old ones (a tracker's
-        neurons, per-channel statistics) cannot take others (a model that holds its
-        variables can change them between calls: an NNX layer replaced by a wider one)."""
+        made for, but for the batch size on their batch axis (the leading one, or the
+        one after a stack's iterations), and only there: state sized for the old ones (a
+        tracker's neurons, per-channel statistics) cannot take others (a model that
+        holds its variables can change them between calls: an NNX layer replaced by a
+        wider one, which may be as wide as a batch)."""
         sample = _leading_size(self.sample)
         avals = entry.avals([entry.plan.output_ids[i] for i in self.firsts])
-        for name, was, now in zip(self.layers, self.shapes, avals, strict=False):
-            fits = len(was) == len(now.shape) and all(  # the leading axis may be anything
-                k == 0 or a == b or (a == sample and b == batch)
+        layers = self.layers * (len(self.firsts) // len(self.layers))
+        rows = zip(layers, self._ends(), self.shapes, avals, strict=True)
+        for name, where, was, now in rows:
+            axis = len(where.depths)  # the batch axis (`_unbatched`)
+            fits = len(was) == len(now.shape) and all(
+                b == batch if k == axis else a == b
                 for k, (a, b) in enumerate(zip(was, now.shape, strict=True))
             )
             if not fits:

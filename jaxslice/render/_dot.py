@@ -1,7 +1,15 @@
-"""Graphviz DOT source for a module graph, and rendering it with the `dot` program."""
+"""Graphviz DOT source for a module graph, and rendering it with the `dot` program.
+
+Annotations are keyed by boundary name, so they can name calls the drawing leaves out:
+each goes on the node or cluster that draws its call or, failing that, on the innermost
+one drawn around it (the module graph's `place`), as a line that names the call it
+belongs to (``layers[:]/mlp: [0] NC 0.83 | [1] NC 1.00``, iterations of one call on one
+line). A name of no boundary is refused, never dropped.
+"""
 
 from __future__ import annotations
 
+import difflib
 import os
 import shutil
 import subprocess
@@ -10,10 +18,17 @@ from typing import Any
 
 import networkx as nx
 
-from .._errors import DotFailedError, DotNotFoundError, DotSvgFailedError, DotTimeoutError
-from ._modulegraph import INPUTS, OUTPUT
+from .._errors import (
+    DotFailedError,
+    DotNotFoundError,
+    DotSvgFailedError,
+    DotTimeoutError,
+    UnknownBoundaryError,
+)
+from ._modulegraph import INPUTS, OUTPUT, Place
 
 _IN, _OUT = "#dbe9ff", "#f2f2f2"
+_PER_LINE = 4  # iterations of one call listed per line of a label
 
 
 def _esc(text: Any) -> str:
@@ -61,12 +76,61 @@ def _edge_line(dag: nx.DiGraph, a: str, b: str, attrs: dict[str, Any]) -> str:
     return f"  {_q(a)} -> {_q(b)} [label={_q(', '.join(attrs.get('shapes', [])))}{style}];"
 
 
+def _drawn_only(dag: nx.DiGraph) -> Any:
+    """`place` for a DAG built without one (by hand): its own node and container names."""
+    names = [n for n in dag.nodes if n not in (INPUTS, OUTPUT)]
+    names += list(dag.graph.get("containers", {}))
+
+    def place(name: Any) -> Place:
+        if name in names:
+            return Place(name)
+        close = difflib.get_close_matches(str(name), names, n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise UnknownBoundaryError(name=name, hint=hint)
+
+    return place
+
+
+def _inner_lines(inner: str, notes: list[tuple[str, str]]) -> list[str]:
+    """``inner: [0] a | [1] b``: the notes of one call drawn inside another, iterations
+    of its loops `_PER_LINE` to a line."""
+    entries = [f"{iteration} {text}".strip() for iteration, text in notes]
+    lines = [" | ".join(entries[i : i + _PER_LINE]) for i in range(0, len(entries), _PER_LINE)]
+    return [f"{inner}: {lines[0]}", *lines[1:]]
+
+
+def placed_notes(
+    dag: nx.DiGraph, annotations: dict[str, Any]
+) -> dict[str | None, tuple[list[str], list[str]]]:
+    """Per drawn node or cluster (None: no drawn call), its own annotations and the lines
+    of the calls drawn inside it (`_inner_lines`, one call a line).
+
+    Raises:
+      UnknownBoundaryError: a key that names no boundary of the model (with suggestions).
+    """
+    place = dag.graph.get("place") or _drawn_only(dag)
+    grouped: dict[str | None, dict[str, list[tuple[str, str]]]] = {}
+    for name, value in annotations.items():
+        where = place(name)
+        inner = grouped.setdefault(where.at, {}).setdefault(where.inner, [])
+        inner.append((where.iteration, _fmt(value)))
+    return {
+        at: (
+            [text for _, text in inners.pop("", [])],
+            [line for inner, notes in inners.items() for line in _inner_lines(inner, notes)],
+        )
+        for at, inners in grouped.items()
+    }
+
+
 class _Clusters:
     """Writes the nodes of a module graph nested in one cluster per container."""
 
-    def __init__(self, dag: nx.DiGraph, annotations: dict[str, Any]) -> None:
+    def __init__(
+        self, dag: nx.DiGraph, notes: dict[str | None, tuple[list[str], list[str]]]
+    ) -> None:
         self.dag = dag
-        self.annotations = annotations
+        self.notes = notes
         self.containers: dict[str, dict[str, Any]] = dag.graph.get("containers", {})
         members = [(n, a, False) for n, a in dag.nodes(data=True)]
         members += [(n, a, True) for n, a in self.containers.items()]
@@ -84,17 +148,14 @@ class _Clusters:
                 lines.append(self._node(name, indent))
         return lines
 
-    def _notes(self, name: str) -> list[str]:
-        """The annotation of `name`, formatted, as a list of zero or one items."""
-        return [_fmt(self.annotations[name])] if name in self.annotations else []
-
     def _cluster(self, name: str, indent: str) -> list[str]:
         attrs = self.containers[name]
-        label = " ".join([f"{name} ({attrs['module_type']})", *self._notes(name)])
+        own, inner = self.notes.get(name, ([], []))
+        label = _label(" ".join([f"{name} ({attrs['module_type']})", *own]), *inner)
         style = "rounded" if _in_slice(attrs) else "rounded,dashed"
         return [
             f"{indent}subgraph {_q('cluster_' + name)} {{",
-            f"{indent}  label={_q(label)}; style={_q(style)}; fontname=Helvetica; fontsize=10;",
+            f"{indent}  label={label}; style={_q(style)}; fontname=Helvetica; fontsize=10;",
             *self.lines(name, indent + "  "),
             f"{indent}}}",
         ]
@@ -103,7 +164,8 @@ class _Clusters:
         if name in (INPUTS, OUTPUT):
             return f"{indent}{_q(name)} [shape=oval, fillcolor=white];"
         attrs = self.dag.nodes[name]
-        label = _label(name, _type_line(attrs), *self._notes(name))
+        own, inner = self.notes.get(name, ([], []))
+        label = _label(name, _type_line(attrs), *own, *inner)
         color, font = (_IN, "black") if _in_slice(attrs) else (_OUT, "gray40")
         return f'{indent}{_q(name)} [label={label}, fillcolor="{color}", fontcolor={font}];'
 
@@ -117,11 +179,18 @@ def to_dot(
 
     Args:
       dag: a module graph, as `module_graph` builds it.
-      annotations: an extra line (e.g. a coverage figure) for the named nodes or clusters.
+      annotations: ``{boundary name: value}``, each drawn as an extra line (e.g. a
+        coverage figure) on the node or cluster of the boundary, or, for a call the
+        drawing leaves out (inside a loop body, or deeper than the drawn depth), on the
+        innermost one drawn around it, as ``name: value`` (``layers[:]/mlp: [0] value |
+        [1] value`` for iterations of a scan).
       title: the name of the DOT graph.
 
     Returns:
       The DOT source, ending in a newline.
+
+    Raises:
+      UnknownBoundaryError: an annotation names no boundary of the model.
 
     >>> import networkx as nx
     >>> from jaxslice.render import to_dot
@@ -139,8 +208,12 @@ def to_dot(
     }
     <BLANKLINE>
     """
-    lines = _header(title) + _Clusters(dag, annotations or {}).lines()
+    notes = placed_notes(dag, annotations or {})
+    lines = _header(title) + _Clusters(dag, notes).lines()
     lines += [_edge_line(dag, a, b, attrs) for a, b, attrs in dag.edges(data=True)]
+    if None in notes:  # calls no drawn node holds: a note under the whole drawing
+        own, inner = notes[None]
+        lines.append(f"  label={_label(*own, *inner)}; labelloc=b;")
     lines.append("}")
     return "\n".join(lines) + "\n"
 

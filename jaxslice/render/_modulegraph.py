@@ -8,7 +8,9 @@ edge carries the shapes and dtypes of the values on it.
 
 Edges come from one walk over the equations in program order (`_EdgeBuilder`) that keeps,
 for every value, the set of nodes it was computed from. Calls inside loop bodies
-(``Call.loop`` set) are left out of the DAG.
+(``Call.loop`` set) are left out of the DAG; `place` (``dag.graph["place"]``) says which
+drawn node or container shows any boundary name, theirs included, so an annotation of a
+call the drawing leaves out goes on the call drawn around it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from typing import Any
 import networkx as nx
 
 from .._core.graph import Call, Graph, innermost
+from .._core.markers import OUTPUT as OUTPUT_SIDE
+from .._core.names import split_indices
+from .._core.selection import Name, resolver_of
+from .._errors import BoundaryNameTypeError
 from .._trees import describe_aval
 
 INPUTS = "<inputs>"
@@ -209,6 +215,8 @@ def module_graph(
       ``inputs``, ``outputs``, ``parent`` (the containing call or None), ``in_slice``.
       Edge attribute: ``shapes``. Containers are not nodes; their attributes are in
       ``dag.graph["containers"]``, keyed by name (the key is absent when there are none).
+      ``dag.graph["place"]`` maps a boundary name to the `Place` that draws it (raising
+      `UnknownBoundaryError` for a name of no boundary).
 
     >>> import jax.numpy as jnp, jaxslice as js
     >>> double = js.mark("double", lambda x: 2 * x)
@@ -225,7 +233,71 @@ def module_graph(
     for c in layout.calls:
         _add_call(dag, _call_attrs(graph, c, layout, parameters.get(c.qualname, 0), in_slice))
     _EdgeBuilder(graph, dag, layout).build()
+    dag.graph["place"] = _Placer(graph, layout)
     return dag
+
+
+# --------------------------------------------------------------------------- annotations
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where a drawing shows a boundary: the node or container `at` (None when no drawn
+    call holds it), and, for a name that picks more than `at` itself, the `inner` call it
+    picks, as listed (``layers[:]/mlp``, ``b/fc1``, ``fc:input``), and the `iteration`
+    of its loops (``[2]``; empty outside loops)."""
+
+    at: str | None
+    inner: str = ""
+    iteration: str = ""
+
+
+def _unlooped_parts(call: Call) -> tuple[str, ...]:
+    """`_parts` of a call's name without its iteration slots (``layers[:]/mlp``: layers, mlp)."""
+    return tuple("".join(split_indices(call.name.split(".")[0])[0]).split("/"))
+
+
+class _Placer:
+    """`place`: the `Place` of a boundary name, resolved as every name is (so a wrong
+    one is an `UnknownBoundaryError` with suggestions). A call the drawing leaves out (in
+    a loop body, or deeper than `depth`) is shown by the innermost drawn call around it."""
+
+    def __init__(self, graph: Graph, layout: _Layout) -> None:
+        self.resolver = resolver_of(graph)
+        self.calls = layout.calls
+        self.drawn = {c.qualname for c in layout.calls}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Placer:
+        return self  # never changes: a deep copy of the DAG shares it, not the traced graph
+
+    def __call__(self, name: Any) -> Place:
+        if not isinstance(name, str):
+            raise BoundaryNameTypeError(spec=name, kind=type(name).__name__)
+        parsed = Name.of(name)
+        where = self.resolver.select(parsed, OUTPUT_SIDE, uncounted=True)
+        call = where.call
+        if call is None:  # a node an edit inserted: drawn under its own name
+            return Place(where.node)
+        at = call.qualname if call.qualname in self.drawn else self._around(call)
+        if where.path:
+            port = f":{parsed.port}" if parsed.port else ""
+            iteration = "".join(f"[{k}]" for k in where.path)
+            return Place(at, call.qualname + port, iteration)
+        if at == call.qualname and parsed.port is None:
+            return Place(at)
+        return Place(at, name)
+
+    def _around(self, call: Call) -> str | None:
+        """The innermost drawn call that `call` runs inside, or None."""
+        parts = _unlooped_parts(call)
+        outer = [
+            p
+            for p in self.calls
+            if _within_span(p, call)
+            and _within_markers(p, call)
+            and parts[: len(_parts(p))] == _parts(p)
+        ]
+        return min(outer, key=_tightness).qualname if outer else None
 
 
 # --------------------------------------------------------------------------- edges

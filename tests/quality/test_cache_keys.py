@@ -10,6 +10,8 @@ and strong types, and models that cannot be described by value (traced every tim
 
 from __future__ import annotations
 
+import array
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -244,27 +246,19 @@ def test_weak_typed_inputs_of_a_slice_retrace():
 # ------------------------------------------------------------------ models not keyed by value
 
 
-class Opaque:
-    """No fields to read (slots) and hashed by identity: cannot be described by value."""
-
-    __slots__ = ("scale",)
-
-    def __init__(self, scale):
-        self.scale = scale
-
-
 def test_a_model_that_cannot_be_keyed_is_traced_every_time():
-    config = Opaque(1.0)
+    # An instance of a C type: no fields to read, not hashable, changed in place.
+    config = array.array("f", [1.0])
 
     class Net(nn.Module):
-        config: Opaque
+        config: array.array
 
         @nn.compact
         def __call__(self, x):
-            return nn.Dense(3, name="dense")(x) * self.config.scale
+            return nn.Dense(3, name="dense")(x) * self.config[0]
 
     model = Net(config)
     variables = model.init(jax.random.key(0), X)
     js.slice(model, variables, X)(X)
-    config.scale = 9.0
+    config[0] = 9.0
     close(js.slice(model, variables, X)(X), model.apply(variables, X))
