@@ -89,7 +89,7 @@ class _Interceptor:
             found = self.roots[id(root)] = (root, (*where, str(name)) if applied else above)
         return (*found[1], *own), found[1]
 
-    def __call__(
+    def intercept(
         self, next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any
     ) -> Any:
         if context.method_name in _SKIPPED_METHODS:
@@ -132,7 +132,9 @@ class LinenAdapter(CollectionNodes, Adapter):
         import flax.linen as nn
 
         extra = {} if call.rngs is None else {"rngs": call.rngs}
-        with nn.intercept_methods(_Interceptor()), _compat.quick_param_checks():
+        # A bound method, not the instance: Python calls it without a C stack frame per
+        # nested module (a model 150 modules deep stays within the recursion limits).
+        with nn.intercept_methods(_Interceptor().intercept), _compat.quick_param_checks():
             result = target.apply(
                 call.variables, *call.args, **extra, mutable=call.mutable, **call.kwargs
             )

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxslice as js
+
+eqx = pytest.importorskip("equinox")
 
 C = js.coverage
 

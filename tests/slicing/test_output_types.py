@@ -17,7 +17,6 @@ import dataclasses
 from collections import OrderedDict
 from typing import NamedTuple
 
-import equinox as eqx
 import flax
 import flax.linen as nn
 import jax
@@ -139,6 +138,8 @@ def test_slice_from_a_module_returns_the_models_type():
 
 
 def test_equinox_namedtuple_output():
+    eqx = pytest.importorskip("equinox")
+
     class EqxNet(eqx.Module):
         lin: eqx.nn.Linear
 

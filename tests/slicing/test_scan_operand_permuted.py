@@ -12,7 +12,6 @@ Oracles: each loop written out by hand.
 
 from __future__ import annotations
 
-import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -81,21 +80,22 @@ def test_linen_scan_input_permuted_by_the_model_or_by_the_transform(cls):
     np.testing.assert_allclose(xs, jnp.swapaxes(X, 0, 1) if cls is Swapped else X)
 
 
-class EqxRNN(eqx.Module):
-    cell: eqx.nn.Linear
-
-    def __init__(self):
-        self.cell = eqx.nn.Linear(4, 4, key=jax.random.key(0))
-
-    def __call__(self, x):
-        def step(c, xt):
-            return jnp.tanh(self.cell(c) + xt), None
-
-        c, _ = jax.lax.scan(step, jnp.zeros(4), x.T)
-        return c
-
-
 def test_equinox_scan_over_a_transposed_input():
+    eqx = pytest.importorskip("equinox")
+
+    class EqxRNN(eqx.Module):
+        cell: eqx.nn.Linear
+
+        def __init__(self):
+            self.cell = eqx.nn.Linear(4, 4, key=jax.random.key(0))
+
+        def __call__(self, x):
+            def step(c, xt):
+                return jnp.tanh(self.cell(c) + xt), None
+
+            c, _ = jax.lax.scan(step, jnp.zeros(4), x.T)
+            return c
+
     model, x = EqxRNN(), X[0].T  # (features, time): the model transposes it
 
     def by_hand(change):
